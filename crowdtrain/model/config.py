@@ -1,0 +1,172 @@
+"""Typed model configuration and the named presets (`tiny`, `demo`, `paper`).
+
+The sequence the model sees is ``[text tokens | image tokens]``: ``text_len`` text positions
+followed by an ``image_height x image_width`` grid of VQ codes in raster order. Attention
+patterns and weight sharing are data: ``patterns[i]`` names layer i's image-attention pattern
+and ``share_ids[i]`` its sharing group (layers with the same id use the same attention and
+feed-forward module objects).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+PATTERNS = ("full", "axial_row", "axial_col", "conv_like")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the DALL-E-like decoder. Every field has a default that builds and runs."""
+
+    width: int = 64
+    depth: int = 4
+    heads: int = 4
+    head_dim: int = 16
+    ff_mult: int = 4  # GEGLU hidden size = ff_mult * width
+    text_len: int = 16
+    text_vocab_size: int = 256
+    text_pad_id: int = 0  # padded text positions are neither attended to nor trained on
+    image_height: int = 8
+    image_width: int = 8
+    image_vocab_size: int = 64
+    patterns: tuple[str, ...] = ("axial_row", "axial_col", "axial_row", "conv_like")
+    share_ids: tuple[int, ...] = (0, 1, 2, 3)
+    conv_kernel: int = 5  # the k of conv_like's causal k x k window (odd)
+    rotary: bool = True
+    reversible: bool = False
+    checkpointing: bool = False  # per-layer activation checkpointing (ignored when reversible)
+    image_loss_weight: float = 7.0  # loss = (CE_text + w * CE_image) / (1 + w)
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        # Lists from JSON or the CLI become tuples, so configs stay hashable and comparable.
+        object.__setattr__(self, "patterns", tuple(self.patterns))
+        object.__setattr__(self, "share_ids", tuple(int(i) for i in self.share_ids))
+        for name in ("width", "depth", "heads", "head_dim", "ff_mult", "text_len", "text_vocab_size",
+                     "image_height", "image_width", "image_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if len(self.patterns) != self.depth:
+            raise ValueError(
+                f"model.patterns has {len(self.patterns)} entries but model.depth is {self.depth}: "
+                "give one attention pattern per layer")
+        if len(self.share_ids) != self.depth:
+            raise ValueError(
+                f"model.share_ids has {len(self.share_ids)} entries but model.depth is {self.depth}: "
+                "give one sharing id per layer (use 0..depth-1 for no sharing)")
+        unknown = sorted(set(self.patterns) - set(PATTERNS))
+        if unknown:
+            raise ValueError(f"unknown attention pattern(s) {unknown}; choose from {list(PATTERNS)}")
+        pattern_of_id: dict[int, str] = {}
+        for layer, (pattern, share_id) in enumerate(zip(self.patterns, self.share_ids)):
+            if pattern_of_id.setdefault(share_id, pattern) != pattern:
+                raise ValueError(
+                    f"sharing id {share_id} is given pattern {pattern_of_id[share_id]!r} and, at layer "
+                    f"{layer}, {pattern!r}: layers that share weights must share a pattern; give layer "
+                    f"{layer} its own sharing id or the same pattern")
+        if not 0 <= self.text_pad_id < self.text_vocab_size:
+            raise ValueError(f"model.text_pad_id={self.text_pad_id} is outside the text vocabulary "
+                             f"[0, {self.text_vocab_size})")
+        if self.conv_kernel < 1 or self.conv_kernel % 2 == 0:
+            raise ValueError(f"model.conv_kernel must be a positive odd number, got {self.conv_kernel}")
+        if self.rotary and self.head_dim % 4 != 0:
+            raise ValueError(f"rotary embeddings split head_dim into 4 parts (2-D axial, pairs); "
+                             f"model.head_dim={self.head_dim} is not a multiple of 4")
+        if self.reversible and self.dropout > 0:
+            raise ValueError("reversible layers recompute activations in backward, so dropout must be 0 "
+                             "(set model.dropout=0 or model.reversible=False)")
+        if self.image_loss_weight < 0:
+            raise ValueError("model.image_loss_weight must be >= 0")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def image_len(self) -> int:
+        return self.image_height * self.image_width
+
+    @property
+    def seq_len(self) -> int:
+        return self.text_len + self.image_len
+
+    @property
+    def inner_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the tied embedding: text tokens, image codes, one image-start token."""
+        return self.text_vocab_size + self.image_vocab_size + 1
+
+    @property
+    def image_bos_id(self) -> int:
+        return self.text_vocab_size + self.image_vocab_size
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["patterns"] = list(self.patterns)
+        d["share_ids"] = list(self.share_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """Stable hash of everything that changes the parameters' meaning or shapes.
+
+        Peers compare fingerprints to refuse training a different model. Options that only
+        change how activations are stored (reversible is an architecture change and counts;
+        checkpointing does not) are left out.
+        """
+        d = self.to_dict()
+        d.pop("checkpointing")
+        blob = json.dumps(d, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _cycle(seq: tuple, n: int) -> tuple:
+    return tuple(seq[i % len(seq)] for i in range(n))
+
+
+def _paper() -> ModelConfig:
+    depth = 64
+    return ModelConfig(
+        width=1024, depth=depth, heads=16, head_dim=64, text_len=256, text_vocab_size=32100,
+        image_height=32, image_width=32, image_vocab_size=8192,
+        patterns=_cycle(("axial_row", "axial_col", "axial_row", "axial_row"), depth - 1) + ("conv_like",),
+        share_ids=_cycle((0, 1, 2, 3), depth - 1) + (4,),
+        reversible=True, rotary=True,
+    )
+
+
+def _demo() -> ModelConfig:
+    depth = 8
+    return ModelConfig(
+        width=256, depth=depth, heads=4, head_dim=64, text_len=32, text_vocab_size=1024,
+        image_height=8, image_width=8, image_vocab_size=512,
+        patterns=_cycle(("axial_row", "axial_col", "axial_row", "axial_row"), depth - 1) + ("conv_like",),
+        share_ids=_cycle((0, 1, 2, 3), depth - 1) + (4,),
+        reversible=False,
+    )
+
+
+def _tiny() -> ModelConfig:
+    return ModelConfig()  # the dataclass defaults are the tiny preset
+
+
+PRESETS = {"tiny": _tiny, "demo": _demo, "paper": _paper}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """A named preset, optionally with fields replaced (``get_preset("demo", reversible=True)``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
+    config = PRESETS[name]()
+    return dataclasses.replace(config, **overrides) if overrides else config

@@ -1,0 +1,207 @@
+"""The DALL-E-like decoder: text tokens, then an image-code grid, one transformer.
+
+Layout (B = batch, T = text_len, N = image_len = H * W, d = width)::
+
+    input  [ t_0 .. t_{T-1} | <img> c_0 .. c_{N-2} ]     (B, T + N)
+    target [ t_1 .. t_{T-1}, - | c_0 c_1 .. c_{N-1} ]
+
+Text position p predicts text token p+1 (only where it is real, not padding); image cell k
+holds code k-1 (or the image-start token) and predicts code k. Text positions score only the
+text vocabulary, image positions only the image codes, both through the tied embedding.
+Sharing is module identity: layer i uses ``attn[group[i]]`` and ``ff[group[i]]``; its norms are
+its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from crowdtrain.model.attention import Attention, AttentionContext, KVCache, Rotary
+from crowdtrain.model.config import ModelConfig
+from crowdtrain.model.reversible import reversible_stack
+
+
+class FeedForward(nn.Module):
+    """GEGLU: ``W_out(a * gelu(b))`` with ``[a, b] = W_in x`` and hidden size ff_mult * width."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden = config.ff_mult * config.width
+        self.w_in = nn.Linear(config.width, 2 * hidden)
+        self.w_out = nn.Linear(hidden, config.width)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, gate = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(self.dropout(a * F.gelu(gate)))
+
+
+class LayerNorms(nn.Module):
+    """A layer's own (never shared) pre-norms; the shared modules are looked up by group."""
+
+    def __init__(self, config: ModelConfig, group: int, pattern: str):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.width)
+        self.ff_norm = nn.LayerNorm(config.width)
+        self.group = group
+        self.pattern = pattern
+
+
+@dataclass
+class ModelOutput:
+    loss: torch.Tensor
+    text_loss: torch.Tensor
+    image_loss: torch.Tensor
+    text_logits: torch.Tensor | None = None  # (B, T-1, text_vocab)
+    image_logits: torch.Tensor | None = None  # (B, N, image_vocab)
+
+
+class DalleTransformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        # Sharing ids are arbitrary ints; groups are their dense indices in order of first use.
+        self.groups = list(dict.fromkeys(config.share_ids))
+        group_of_layer = [self.groups.index(s) for s in config.share_ids]
+        pattern_of_group = {g: p for g, p in zip(group_of_layer, config.patterns)}
+
+        self.embedding = nn.Embedding(config.vocab_size, config.width)
+        self.rotary = Rotary(config) if config.rotary else None
+        self.pos_embedding = None if config.rotary else nn.Parameter(torch.zeros(config.seq_len, config.width))
+        self.attn = nn.ModuleList(Attention(config, pattern_of_group[g], self.rotary) for g in range(len(self.groups)))
+        self.ff = nn.ModuleList(FeedForward(config) for _ in self.groups)
+        self.layers = nn.ModuleList(
+            LayerNorms(config, g, p) for g, p in zip(group_of_layer, config.patterns))
+        self.final_norm = nn.LayerNorm(config.width)
+        self.attention_impl = "efficient"  # "dense" switches every layer to the reference masks
+        self.reset_parameters()
+
+    # ---- initialisation -----------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        std = 0.02
+        nn.init.normal_(self.embedding.weight, std=std)
+        if self.pos_embedding is not None:
+            nn.init.normal_(self.pos_embedding, std=std)
+        # Residual branches are scaled down with depth so the stream's variance stays ~1
+        # (GPT-2's rule; every layer, shared or not, adds one attention and one FF branch).
+        out_std = std / (2 * self.config.depth) ** 0.5
+        for module in list(self.attn) + list(self.ff):
+            for name, p in module.named_parameters():
+                if p.dim() == 1:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, std=out_std if ("to_out" in name or "w_out" in name) else std)
+
+    # ---- helpers ------------------------------------------------------------------------
+    def layer_modules(self, i: int) -> tuple[LayerNorms, Attention, FeedForward]:
+        norms = self.layers[i]
+        return norms, self.attn[norms.group], self.ff[norms.group]
+
+    def text_keep(self, text: torch.Tensor) -> torch.Tensor:
+        return text != self.config.text_pad_id
+
+    def _check_inputs(self, text: torch.Tensor, image: torch.Tensor | None) -> None:
+        cfg = self.config
+        if text.dim() != 2 or text.shape[1] != cfg.text_len:
+            raise ValueError(f"text must be (batch, {cfg.text_len}) token ids, got shape {tuple(text.shape)}; "
+                             "pad or truncate captions to model.text_len with the text tokenizer")
+        if image is not None and (image.dim() != 2 or image.shape[1] != cfg.image_len):
+            raise ValueError(f"image must be (batch, {cfg.image_len}) codes of a {cfg.image_height}x"
+                             f"{cfg.image_width} grid, got shape {tuple(image.shape)}; encode images with "
+                             "the tokenizer the run was configured with")
+
+    def embed(self, text: torch.Tensor, image_in: torch.Tensor) -> torch.Tensor:
+        """Embed text ids and image-stream ids (codes already offset into the joint vocabulary)."""
+        x = self.embedding(torch.cat([text, image_in], dim=1))
+        if self.pos_embedding is not None:
+            x = x + self.pos_embedding[: x.shape[1]]
+        return x
+
+    def image_stream(self, image: torch.Tensor) -> torch.Tensor:
+        """Codes (B, N) -> image-stream input ids: the start token then codes 0..N-2."""
+        cfg = self.config
+        bos = torch.full_like(image[:, :1], cfg.image_bos_id)
+        return torch.cat([bos, image[:, :-1] + cfg.text_vocab_size], dim=1)
+
+    def logits(self, h: torch.Tensor, part: str) -> torch.Tensor:
+        cfg = self.config
+        w = self.embedding.weight
+        w = w[: cfg.text_vocab_size] if part == "text" else w[cfg.text_vocab_size: cfg.text_vocab_size + cfg.image_vocab_size]
+        return h @ w.t().to(h.dtype)
+
+    # ---- the stack ----------------------------------------------------------------------
+    def _branches(self, ctx: AttentionContext):
+        branches = []
+        for i in range(self.config.depth):
+            norms, attn, ff = self.layer_modules(i)
+            branches.append((lambda x, n=norms, a=attn: a(n.attn_norm(x), ctx),
+                             lambda x, n=norms, f=ff: f(n.ff_norm(x))))
+        return branches
+
+    def run_layers(self, x: torch.Tensor, text_keep: torch.Tensor) -> torch.Tensor:
+        ctx = AttentionContext(text_keep=text_keep, impl=self.attention_impl)
+        branches = self._branches(ctx)
+        if self.config.reversible:
+            params = [p for m in (self.attn, self.ff, self.layers) for p in m.parameters()]
+            return reversible_stack(x, branches, params, recompute=self.training)
+        use_checkpoint = self.config.checkpointing and self.training and torch.is_grad_enabled()
+        for f, g in branches:
+            if use_checkpoint:
+                x = checkpoint(partial(_plain_layer, f=f, g=g), x, use_reentrant=False)
+            else:
+                x = _plain_layer(x, f=f, g=g)
+        return x
+
+    def forward(self, text: torch.Tensor, image: torch.Tensor, *, return_logits: bool = False) -> ModelOutput:
+        """Training forward: ``text`` (B, T) token ids, ``image`` (B, N) codes -> losses."""
+        cfg = self.config
+        self._check_inputs(text, image)
+        keep = self.text_keep(text)
+        h = self.final_norm(self.run_layers(self.embed(text, self.image_stream(image)), keep))
+        t = cfg.text_len
+        text_logits = self.logits(h[:, : t - 1], "text").float()
+        image_logits = self.logits(h[:, t:], "image").float()
+        # Text: position p predicts token p+1, only where that token is real.
+        text_target = text[:, 1:].masked_fill(~keep[:, 1:], -100)
+        n_text = (text_target != -100).sum()
+        text_loss = F.cross_entropy(text_logits.reshape(-1, cfg.text_vocab_size), text_target.reshape(-1),
+                                    ignore_index=-100, reduction="sum") / n_text.clamp(min=1)
+        image_loss = F.cross_entropy(image_logits.reshape(-1, cfg.image_vocab_size), image.reshape(-1))
+        w = cfg.image_loss_weight
+        loss = (text_loss + w * image_loss) / (1 + w)
+        return ModelOutput(loss, text_loss, image_loss,
+                           text_logits if return_logits else None, image_logits if return_logits else None)
+
+    # ---- incremental decoding -----------------------------------------------------------
+    def new_caches(self) -> list[KVCache]:
+        return [KVCache() for _ in range(self.config.depth)]
+
+    @torch.no_grad()
+    def decode_step(self, ids: torch.Tensor, start: int, caches: list[KVCache], text_keep: torch.Tensor) -> torch.Tensor:
+        """Feed ids at positions ``start..start+n-1`` (B, n); returns final hidden states (B, n, d)."""
+        x = self.embedding(ids)
+        if self.pos_embedding is not None:
+            x = x + self.pos_embedding[start: start + ids.shape[1]]
+        x1 = x2 = x
+        for i in range(self.config.depth):
+            norms, attn, ff = self.layer_modules(i)
+            f = lambda z: attn.forward_cached(norms.attn_norm(z), start, caches[i], text_keep)
+            g = lambda z: ff(norms.ff_norm(z))
+            if self.config.reversible:
+                x1 = x1 + f(x2)
+                x2 = x2 + g(x1)
+            else:
+                x1 = _plain_layer(x1, f=f, g=g)
+        out = (x1 + x2) / 2 if self.config.reversible else x1
+        return self.final_norm(out)
+
+
+def _plain_layer(x: torch.Tensor, *, f, g) -> torch.Tensor:
+    x = x + f(x)
+    return x + g(x)
