@@ -15,6 +15,8 @@ import sys
 # Modules that add subcommands, in the order they appear in `crowdtrain --help`.
 SUBCOMMAND_MODULES = [
     "crowdtrain.model.cli",
+    "crowdtrain.memcalc.cli",
+    "crowdtrain.train.cli",
 ]
 
 

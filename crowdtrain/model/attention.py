@@ -125,21 +125,57 @@ class AttentionContext:
         return self._masks[key]
 
 
-@dataclass
 class KVCache:
-    """Keys and values of one layer for incremental decoding, ``(batch, heads, filled, head_dim)``."""
+    """Keys and values of one layer for incremental decoding, preallocated to the sequence length.
 
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+    ``keys()`` and ``values()`` are views ``(batch, heads, filled, head_dim)``; appending writes in
+    place, so a decoding step copies only the new token's keys, not the whole cache.
+    """
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+        n = k.shape[2]
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        if self.length + n > self.capacity:
+            raise ValueError(f"KV cache full: {self.length} + {n} positions > capacity {self.capacity}")
+        self.k[:, :, self.length: self.length + n] = k
+        self.v[:, :, self.length: self.length + n] = v
+        self.length += n
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+
+class DecodeState:
+    """Everything incremental decoding keeps between steps: per-layer caches and the masks.
+
+    The image-to-image part of each pattern's mask is built once, ``(image_len, image_len)``; a
+    step's mask row is the real-text flags plus one row of it, O(sequence) per token.
+    """
+
+    def __init__(self, config: ModelConfig, text_keep: torch.Tensor):
+        self.config = config
+        self.text_keep = text_keep
+        self.caches = [KVCache(config.seq_len) for _ in range(config.depth)]
+        cells = torch.arange(config.image_len, device=text_keep.device)
+        self.image_masks = {p: image_pattern_allows(p, cells, cells, width=config.image_width,
+                                                    conv_kernel=config.conv_kernel)
+                            for p in dict.fromkeys(config.patterns)}
+
+    def mask(self, pattern: str, start: int, n: int) -> torch.Tensor:
+        """(batch, 1, n, start+n) mask for queries at positions start..start+n-1."""
+        t = self.config.text_len
+        if n == 1 and start >= t:
+            row = self.image_masks[pattern][start - t, : start - t + 1]
+            b = self.text_keep.shape[0]
+            return torch.cat([self.text_keep, row.expand(b, -1)], dim=1)[:, None, None, :]
+        q_pos = torch.arange(start, start + n, device=self.text_keep.device)
+        return pattern_mask(pattern, self.config, self.text_keep, q_pos=q_pos, num_keys=start + n)[:, None]
 
 
 class Attention(nn.Module):
@@ -247,16 +283,28 @@ class Attention(nn.Module):
         return ok.reshape(cfg.image_height, cfg.image_width, (half + 1) * cfg.image_width)
 
     def _blocks(self, q_g, k_g, v_g, k_text, v_text, n_blocks, mask):
-        # (batch, heads, blocks, keys, dh): text keys are repeated for every block.
-        k_cat = torch.cat([k_text[:, :, None].expand(-1, -1, n_blocks, -1, -1), k_g], dim=3)
-        v_cat = torch.cat([v_text[:, :, None].expand(-1, -1, n_blocks, -1, -1), v_g], dim=3)
-        return self._sdpa(q_g, k_cat, v_cat, mask)
+        """Attention inside blocks. q_g: (B, heads, blocks, n, dh); keys are the text plus k_g.
+
+        Blocks are folded into the head dimension, a free view, so this is one 4-D SDPA call
+        that the fused (flash) kernels take, on CPU too; 5-D inputs fall back to the slow path.
+        """
+        b, h, nb, n, dh = q_g.shape
+        k_cat = torch.cat([k_text[:, :, None].expand(-1, -1, nb, -1, -1), k_g], dim=3)
+        v_cat = torch.cat([v_text[:, :, None].expand(-1, -1, nb, -1, -1), v_g], dim=3)
+        keys = k_cat.shape[3]
+        if mask.shape[2] == 1:  # the same mask for every block: (B, 1, n, keys) broadcasts
+            mask = mask[:, :, 0]
+        else:
+            mask = mask.expand(b, h, nb, n, keys).reshape(b, h * nb, n, keys)
+        fold = lambda z: z.reshape(b, h * nb, z.shape[3], dh)
+        return self._sdpa(fold(q_g), fold(k_cat), fold(v_cat), mask).view(b, h, nb, n, dh)
 
     # ---- incremental decoding -----------------------------------------------------------
-    def forward_cached(self, x_new: torch.Tensor, start: int, cache: KVCache, text_keep: torch.Tensor) -> torch.Tensor:
+    def forward_cached(self, x_new: torch.Tensor, start: int, cache: KVCache, mask: torch.Tensor) -> torch.Tensor:
         """Attend for new positions ``start..start+n-1`` given the cache of all earlier ones.
 
-        Costs O(sequence) per new token: one row of the dense mask and one pass over the cache.
+        ``mask`` is ``(batch, 1, n, start+n)`` from ``DecodeState.mask``. Costs O(sequence) per
+        new token: one pass over the cached keys.
         """
         n = x_new.shape[1]
         if cache.length != start:
@@ -264,5 +312,4 @@ class Attention(nn.Module):
         positions = torch.arange(start, start + n, device=x_new.device)
         q, k, v = self._project(x_new, positions)
         k_all, v_all = cache.append(k, v)
-        mask = pattern_mask(self.pattern, self.config, text_keep, q_pos=positions, num_keys=start + n)[:, None]
         return self._merge(F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask))

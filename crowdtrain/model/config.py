@@ -149,7 +149,7 @@ def _paper() -> ModelConfig:
 def _demo() -> ModelConfig:
     depth = 8
     return ModelConfig(
-        width=256, depth=depth, heads=4, head_dim=64, text_len=32, text_vocab_size=1024,
+        width=128, depth=depth, heads=4, head_dim=32, text_len=32, text_vocab_size=1024,
         image_height=8, image_width=8, image_vocab_size=512,
         patterns=_cycle(("axial_row", "axial_col", "axial_row", "axial_row"), depth - 1) + ("conv_like",),
         share_ids=_cycle((0, 1, 2, 3), depth - 1) + (4,),

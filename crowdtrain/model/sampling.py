@@ -63,17 +63,17 @@ def generate_images(model: DalleTransformer, text: torch.Tensor, *, temperature:
     all_logits = []
     try:
         if use_cache:
-            caches = model.new_caches()
+            state = model.new_decode_state(text)
             # Prefill: the text and the image-start token in one pass.
             bos = torch.full((b, 1), cfg.image_bos_id, dtype=torch.long, device=text.device)
-            h = model.decode_step(torch.cat([text, bos], dim=1), 0, caches, keep)[:, -1]
+            h = model.decode_step(torch.cat([text, bos], dim=1), 0, state)[:, -1]
             for k in range(n):
                 logits = model.logits(h, "image").float()
                 codes[:, k] = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
                 if return_logits:
                     all_logits.append(logits)
                 if k + 1 < n:
-                    h = model.decode_step((codes[:, k] + cfg.text_vocab_size)[:, None], t + 1 + k, caches, keep)[:, -1]
+                    h = model.decode_step((codes[:, k] + cfg.text_vocab_size)[:, None], t + 1 + k, state)[:, -1]
         else:
             for k in range(n):
                 x = model.embed(text, model.image_stream(codes))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from crowdtrain.model.attention import Attention, AttentionContext, KVCache, Rotary
+from crowdtrain.model.attention import Attention, AttentionContext, DecodeState, Rotary
 from crowdtrain.model.config import ModelConfig
 from crowdtrain.model.reversible import reversible_stack
 
@@ -179,19 +179,21 @@ class DalleTransformer(nn.Module):
                            text_logits if return_logits else None, image_logits if return_logits else None)
 
     # ---- incremental decoding -----------------------------------------------------------
-    def new_caches(self) -> list[KVCache]:
-        return [KVCache() for _ in range(self.config.depth)]
+    def new_decode_state(self, text: torch.Tensor) -> DecodeState:
+        return DecodeState(self.config, self.text_keep(text))
 
     @torch.no_grad()
-    def decode_step(self, ids: torch.Tensor, start: int, caches: list[KVCache], text_keep: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, ids: torch.Tensor, start: int, state: DecodeState) -> torch.Tensor:
         """Feed ids at positions ``start..start+n-1`` (B, n); returns final hidden states (B, n, d)."""
+        n = ids.shape[1]
         x = self.embedding(ids)
         if self.pos_embedding is not None:
-            x = x + self.pos_embedding[start: start + ids.shape[1]]
+            x = x + self.pos_embedding[start: start + n]
+        masks = {p: state.mask(p, start, n) for p in state.image_masks}  # one per pattern, not per layer
         x1 = x2 = x
         for i in range(self.config.depth):
             norms, attn, ff = self.layer_modules(i)
-            f = lambda z: attn.forward_cached(norms.attn_norm(z), start, caches[i], text_keep)
+            f = lambda z: attn.forward_cached(norms.attn_norm(z), start, state.caches[i], masks[attn.pattern])
             g = lambda z: ff(norms.ff_norm(z))
             if self.config.reversible:
                 x1 = x1 + f(x2)

@@ -1,0 +1,143 @@
+"""Checkpoints as data only: safetensors tensors plus JSON, never pickle.
+
+A checkpoint is a directory::
+
+    config.json                  {"model": ModelConfig dict, "fingerprint", "step", "loss", "run": {...}}
+    model.safetensors            the model's state dict
+    optimizer.safetensors        optional: optimizer tensors (flat names), JSON meta in its metadata
+    text_tokenizer.json          optional assets copied in, so a checkpoint decodes on its own
+    image_tokenizer.safetensors
+
+It is written to a temporary sibling and renamed into place, so a crash mid-write never leaves
+a half checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from crowdtrain.model.config import ModelConfig
+from crowdtrain.model.transformer import DalleTransformer
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def save_checkpoint(directory: str | Path, model: DalleTransformer, *, step: int, loss: float | None = None,
+                    run_config: dict | None = None, optimizer_state: dict[str, torch.Tensor] | None = None,
+                    optimizer_meta: dict | None = None, assets: dict[str, str | Path] | None = None) -> Path:
+    """Write a checkpoint directory atomically and return its path."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, tmp / MODEL_FILE)
+        if optimizer_state is not None:
+            tensors = {k: v.detach().contiguous().cpu() for k, v in optimizer_state.items()}
+            save_file(tensors, tmp / OPTIMIZER_FILE, metadata={"meta": json.dumps(optimizer_meta or {})})
+        for name, src in (assets or {}).items():
+            shutil.copyfile(src, tmp / name)
+        meta = {"model": model.config.to_dict(), "fingerprint": model.config.fingerprint(), "step": int(step),
+                "loss": None if loss is None else float(loss), "time": time.time(), "run": run_config or {}}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+            directory.rename(old)
+            tmp.rename(directory)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def read_meta(directory: str | Path) -> dict:
+    directory = Path(directory)
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a crowdtrain checkpoint: it has no {CONFIG_FILE} "
+                                "(pass the checkpoint directory, e.g. runs/demo/checkpoints/step-000100)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint is damaged, use an earlier one") from e
+
+
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> tuple[DalleTransformer, dict]:
+    """Build the model a checkpoint describes and load its weights; returns (model, meta)."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    config = ModelConfig.from_dict(meta["model"])
+    model = DalleTransformer(config)
+    try:
+        state = load_file(directory / MODEL_FILE, device=str(device))
+    except (SafetensorError, FileNotFoundError, OSError) as e:
+        raise ValueError(f"cannot read {directory / MODEL_FILE} ({e}); the checkpoint is incomplete or "
+                         "damaged, use an earlier one") from e
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory / MODEL_FILE} does not match its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    return model.to(device), meta
+
+
+def load_optimizer_state(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """Optimizer tensors and their JSON meta, or None if the checkpoint has none."""
+    path = Path(directory) / OPTIMIZER_FILE
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("meta", "{}"))
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return tensors, meta
+
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (temporary directories are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / CONFIG_FILE).is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints; returns what was deleted."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (got {keep}): the newest checkpoint is never deleted")
+    doomed = list_checkpoints(root)[:-keep]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

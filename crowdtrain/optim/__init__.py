@@ -1,0 +1,5 @@
+"""Optimizer pieces shared by the local trainer and the swarm: parameter groups and schedules."""
+
+from crowdtrain.optim.schedule import linear_warmup_decay, param_groups
+
+__all__ = ["linear_warmup_decay", "param_groups"]
