@@ -281,3 +281,23 @@ def test_tiny_preset_learns_a_fixed_batch():
     # batch the model has memorised most of it.
     assert 4.0 < losses[0] < 4.6, losses[0]
     assert losses[-1] < 1.5, losses[-1]
+
+
+@pytest.mark.parametrize("reversible", [False, True])
+def test_bf16_autocast_matches_fp32_closely(reversible):
+    """Mixed precision as on a GPU peer; on CPU autocast runs bf16 matmuls too."""
+    torch.manual_seed(0)
+    cfg = small_config(reversible=reversible)
+    model = DalleTransformer(cfg)
+    text, image = random_batch(cfg)
+    reference = model(text, image).loss
+    reference.backward()
+    ref_grad = model.embedding.weight.grad.clone()
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(text, image).loss
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert abs(loss.item() - reference.item()) < 0.05 * reference.item()
+    cos = torch.nn.functional.cosine_similarity(model.embedding.weight.grad.flatten(), ref_grad.flatten(), dim=0)
+    assert cos > 0.95, cos
