@@ -1,0 +1,78 @@
+"""The calculator as a web page: a FastAPI router the coordinator mounts, or a standalone app.
+
+``GET /memcalc/`` is a server-rendered form that re-estimates as options change and draws a
+stacked bar chart (plotly.js served from the ``plotly`` Python package, no CDN);
+``GET /memcalc/api/models`` and ``GET /memcalc/api/estimate?model=...&optimizer=...`` are the
+JSON API it calls. No torch here: the coordinator's process must not import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.templating import Jinja2Templates
+
+from crowdtrain.memcalc.architectures import get_architecture, names
+from crowdtrain.memcalc.estimate import GPU_SIZES_GB, OPTIMIZERS, PRECISIONS, Options, estimate
+
+TEMPLATES = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
+
+
+def _plotly_js() -> Path:
+    import plotly
+
+    path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    if not path.exists():
+        raise FileNotFoundError(f"plotly.min.js not found at {path}; reinstall the `plotly` package")
+    return path
+
+
+def create_router(prefix: str = "/memcalc") -> APIRouter:
+    router = APIRouter(prefix=prefix)
+
+    @router.get("/", response_class=HTMLResponse)
+    def page(request: Request):
+        return TEMPLATES.TemplateResponse(request, "memcalc.html", {
+            "models": names(), "optimizers": OPTIMIZERS, "precisions": PRECISIONS, "gpus": GPU_SIZES_GB,
+            "prefix": prefix, "default_model": "gpt2-large"})
+
+    @router.get("/plotly.min.js")
+    def plotly_js():
+        return FileResponse(_plotly_js(), media_type="application/javascript")
+
+    @router.get("/api/models")
+    def models():
+        out = []
+        for name in names():
+            arch = get_architecture(name)
+            out.append({"name": name, "title": arch.title, "params": arch.params().numel, "layers": arch.layers,
+                        "seq_len": arch.seq_len, "fixed_seq_len": arch.fixed_seq_len, "note": arch.note})
+        return out
+
+    @router.get("/api/estimate")
+    def api_estimate(model: str = "gpt2-large", optimizer: str = "fp32", precision: str = "fp32",
+                     offload: bool = False, checkpointing: bool = False, reversible: bool = False,
+                     shared_groups: int | None = None, batch_size: int = 1, seq_len: int | None = None,
+                     pcie_gb_per_s: float = 16.0):
+        try:
+            options = Options(optimizer=optimizer, precision=precision, offload=offload, checkpointing=checkpointing,
+                              reversible=reversible, shared_groups=shared_groups, batch_size=batch_size,
+                              seq_len=seq_len, pcie_gb_per_s=pcie_gb_per_s)
+            return estimate(model, options).to_dict()
+        except ValueError as e:
+            raise HTTPException(status_code=422, detail=str(e)) from e
+
+    return router
+
+
+def create_app() -> FastAPI:
+    """A standalone app serving only the calculator (``crowdtrain memcalc --serve``)."""
+    from fastapi.responses import RedirectResponse
+
+    app = FastAPI(title="crowdtrain memory calculator")
+    app.include_router(create_router())
+    app.add_api_route("/", lambda: RedirectResponse("/memcalc/"), include_in_schema=False)
+    return app
