@@ -15,8 +15,11 @@ import sys
 # Modules that add subcommands, in the order they appear in `crowdtrain --help`.
 SUBCOMMAND_MODULES = [
     "crowdtrain.model.cli",
+    "crowdtrain.data.cli",
     "crowdtrain.memcalc.cli",
     "crowdtrain.train.cli",
+    "crowdtrain.coordinator.cli",
+    "crowdtrain.swarm.cli",
 ]
 
 

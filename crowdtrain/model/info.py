@@ -104,3 +104,16 @@ def format_info(info: dict) -> str:
         f"fingerprint     {info['fingerprint']}",
     ]
     return "\n".join(lines)
+
+
+def architecture_fingerprint(config: ModelConfig) -> str:
+    """Hash of the config and of every parameter name and shape this code builds for it.
+
+    Two peers agree on it only if their code would train the same tensors: a volunteer running
+    a crowdtrain that builds a different model for the same config is refused, not averaged.
+    """
+    import hashlib
+
+    model = build_meta_model(config)
+    shapes = sorted((name, tuple(t.shape)) for name, t in model.state_dict().items())
+    return hashlib.sha256(f"{config.fingerprint()}|{shapes}".encode()).hexdigest()[:16]

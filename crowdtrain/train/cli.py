@@ -24,14 +24,18 @@ def register(subparsers) -> None:
     p.set_defaults(handler=_train)
 
     d = subparsers.add_parser(
-        "demo", help="the main job: train the demo preset on the bundled shapes data",
-        description="Makes the bundled shapes data set if missing, trains the demo preset on it for a "
-                    "few minutes on this machine, prints the loss going down, and writes a checkpoint, "
-                    "summary.json and a grid of samples to --out.")
-    d.add_argument("--minutes", type=float, default=2.0, help="training time (default: 2)")
+        "demo", help="the main job: a local swarm trains the demo model on the bundled shapes data",
+        description="Makes the bundled shapes data set if missing, starts a coordinator and N volunteers of "
+                    "different speeds and batch sizes on 127.0.0.1, prints a live summary, and at the end the "
+                    "epochs reached, the loss from start to end, samples per peer and the share of rounds all "
+                    "live peers averaged in; writes summary.json and a grid of samples to --out.")
+    d.add_argument("--peers", type=int, default=3, help="volunteer processes (default: 3)")
+    d.add_argument("--minutes", type=float, default=5.0, help="training time (default: 5)")
+    d.add_argument("--port", type=int, default=8000, help="the coordinator's HTTP port")
+    d.add_argument("--dht-port", type=int, default=31337, help="the coordinator's DHT port")
     d.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
-    d.add_argument("--device", default="cpu", help="cpu or cuda")
-    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--local", action="store_true", help="train in this one process instead of a swarm")
+    d.add_argument("--device", default="cpu", help="with --local: cpu or cuda")
     d.set_defaults(handler=_demo)
 
 
@@ -84,7 +88,11 @@ def _train(args) -> int:
 
 
 def _demo(args) -> int:
-    from crowdtrain.train.demo import run_local_demo
+    from crowdtrain.train.demo import run_local_demo, run_swarm_demo
 
-    run_local_demo(minutes=args.minutes, out_dir=args.out, device=args.device, batch_size=args.batch_size)
+    if args.local:
+        run_local_demo(minutes=args.minutes, out_dir=args.out, device=args.device, batch_size=32)
+    else:
+        run_swarm_demo(peers=args.peers, minutes=args.minutes, port=args.port, dht_port=args.dht_port,
+                       out_dir=args.out)
     return 0

@@ -48,8 +48,10 @@ def stable_seed(key: str) -> int:
 class DalleTask(Task):
     """Text-to-image: captions and VQ codes from shards, or synthetic random codes.
 
-    ``data`` is a shard folder, an http(s) base URL or a hub id, or ``"synthetic"`` for uniformly
-    random tokens (throughput measurements only: there is nothing to learn in them).
+    ``data`` is a shard folder, an http(s) base URL or a hub id; or ``"synthetic"`` for uniformly
+    random tokens (throughput measurements only: there is nothing to learn in them); or
+    ``"pattern"`` for random captions whose image codes are a fixed function of the caption
+    (learnable in seconds: the swarm tests use it to see the loss fall without data files).
     """
 
     name = "dalle"
@@ -64,8 +66,8 @@ class DalleTask(Task):
         return DalleTransformer(self.model_config)
 
     def batches(self, *, batch_size: int, seed_key: str) -> Iterator[Batch]:
-        if self.data == "synthetic":
-            return self._synthetic(batch_size, seed_key)
+        if self.data in ("synthetic", "pattern"):
+            return self._synthetic(batch_size, seed_key, learnable=self.data == "pattern")
         from crowdtrain.data import batch_stream, default_text_tokenizer, load_text_tokenizer
 
         tokenizer = (load_text_tokenizer(self.text_tokenizer_path) if self.text_tokenizer_path
@@ -73,12 +75,18 @@ class DalleTask(Task):
         return batch_stream(self.data, text_tokenizer=tokenizer, model_config=self.model_config,
                             batch_size=batch_size, seed_key=seed_key)
 
-    def _synthetic(self, batch_size: int, seed_key: str) -> Iterator[Batch]:
+    def _synthetic(self, batch_size: int, seed_key: str, *, learnable: bool) -> Iterator[Batch]:
         cfg = self.model_config
         g = torch.Generator().manual_seed(stable_seed(seed_key))
+        cells = torch.arange(cfg.image_len)
         while True:
-            text = torch.randint(1, cfg.text_vocab_size, (batch_size, cfg.text_len), generator=g)
-            image = torch.randint(0, cfg.image_vocab_size, (batch_size, cfg.image_len), generator=g)
+            if not learnable:
+                text = torch.randint(1, cfg.text_vocab_size, (batch_size, cfg.text_len), generator=g)
+                image = torch.randint(0, cfg.image_vocab_size, (batch_size, cfg.image_len), generator=g)
+            else:  # two caption words decide a striped image; the rest of the caption repeats them
+                words = torch.randint(1, min(16, cfg.text_vocab_size), (batch_size, 2), generator=g)
+                text = words.repeat(1, (cfg.text_len + 1) // 2)[:, : cfg.text_len]
+                image = (words[:, :1] * 7 + words[:, 1:] * (cells[None] % cfg.image_width)) % cfg.image_vocab_size
             yield {"text": text, "image": image}
 
     def describe(self) -> dict:

@@ -1,0 +1,153 @@
+"""`crowdtrain coordinator`: start a run in one command.
+
+The coordinator process serves HTTP (uvicorn) and supervises a child process, the auxiliary
+peer (``crowdtrain.swarm.aux_peer``), which is the run's first DHT peer. They share the run
+folder: the coordinator writes ``coordinator.json`` (the run's spec), the child answers with
+``run.json`` (join information with initial peers), ``status.json``, ``metrics.jsonl`` and
+checkpoints. This process never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from crowdtrain.model.config import get_preset
+from crowdtrain.swarm.config import SwarmConfig, demo_swarm_config
+
+logger = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SWARM_PRESETS = {"default": SwarmConfig, "demo": demo_swarm_config}
+
+
+@dataclass
+class CoordinatorConfig:
+    run_id: str = "crowdtrain"
+    preset: str = "demo"
+    data: str = "shapes"  # a shard folder (served over HTTP), an http(s) URL, a hub id, or pattern/synthetic
+    host: str = "0.0.0.0"
+    port: int = 8000
+    public_host: str = "127.0.0.1"  # the address volunteers use to reach this machine
+    dht_host: str = "0.0.0.0"
+    dht_port: int = 31337
+    run_dir: str | None = None  # default: runs/RUN_ID
+    identity: str | None = None  # default: RUN_DIR/identity.key (created on first start, then reused)
+    checkpoint_dir: str | None = None  # default: RUN_DIR/checkpoints
+    keep_checkpoints: int = 3
+    swarm_preset: str = "default"
+    swarm_overrides: dict = field(default_factory=dict)
+    model_overrides: dict = field(default_factory=dict)
+    text_tokenizer: str | None = None  # default: the shipped shapes tokenizer
+    image_tokenizer: str | None = None
+    startup_timeout_s: float = 180.0
+
+    def __post_init__(self):
+        if self.swarm_preset not in SWARM_PRESETS:
+            raise ValueError(f"--swarm-preset must be one of {sorted(SWARM_PRESETS)}, got {self.swarm_preset!r}")
+        if self.keep_checkpoints < 1:
+            raise ValueError("--keep-checkpoints must be >= 1")
+        self.run_dir = self.run_dir or f"runs/{self.run_id}"
+        self.identity = self.identity or str(Path(self.run_dir) / "identity.key")
+        self.checkpoint_dir = self.checkpoint_dir or str(Path(self.run_dir) / "checkpoints")
+
+    def swarm_config(self) -> SwarmConfig:
+        base = SWARM_PRESETS[self.swarm_preset]()
+        return dataclasses.replace(base, run_id=self.run_id, **self.swarm_overrides)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.public_host}:{self.port}"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
+    model = get_preset(config.preset, **config.model_overrides)
+    swarm = config.swarm_config()
+    data = f"{config.url}/shards" if shards_dir is not None else config.data
+    text_tokenizer = Path(config.text_tokenizer) if config.text_tokenizer else ASSETS / "shapes_text_tokenizer.json"
+    image_tokenizer = Path(config.image_tokenizer) if config.image_tokenizer else ASSETS / "shapes_vq.safetensors"
+    needs_tokenizer = data not in ("pattern", "synthetic")
+    assets = {}
+    if text_tokenizer.is_file():
+        assets["text_tokenizer.json"] = str(text_tokenizer)
+    if image_tokenizer.is_file():
+        assets["image_tokenizer.safetensors"] = str(image_tokenizer)
+    return {
+        "swarm": swarm.to_dict(),
+        "task": {"name": "dalle", "model": model.to_dict(), "data": data},
+        "dht_host": config.dht_host, "dht_port": config.dht_port, "identity": str(Path(config.identity).resolve()),
+        "checkpoint_dir": str(Path(config.checkpoint_dir).resolve()), "keep_checkpoints": config.keep_checkpoints,
+        "text_tokenizer": ({"url": f"{config.url}/assets/text_tokenizer.json", "sha256": _sha256(text_tokenizer),
+                            "path": str(text_tokenizer)} if needs_tokenizer else None),
+        "assets": assets,
+    }
+
+
+def resolve_shards(config: CoordinatorConfig) -> Path | None:
+    """The local shard folder to serve, making the bundled shapes data on first use."""
+    if config.data == "shapes":
+        # Making the data set needs torch (the image tokenizer): do it in a child process.
+        target = Path(config.run_dir) / "data" / "shapes"
+        code = "import sys; from crowdtrain.data import ensure_demo_shards; print(ensure_demo_shards(sys.argv[1]))"
+        out = subprocess.run([sys.executable, "-c", code, str(target)], check=True, capture_output=True, text=True)
+        return Path(out.stdout.strip().splitlines()[-1])
+    path = Path(config.data)
+    if path.is_dir():
+        if not (path / "shards.json").is_file():
+            raise FileNotFoundError(f"{path} has no shards.json: make shards with `crowdtrain data prepare`")
+        return path
+    if config.data in ("pattern", "synthetic") or config.data.startswith(("http://", "https://")) or "/" in config.data:
+        return None  # streamed from elsewhere (or generated by the peers)
+    raise FileNotFoundError(f"--data {config.data!r} is neither a shard folder, a URL, a hub id nor 'shapes'")
+
+
+def run_coordinator(config: CoordinatorConfig) -> int:
+    import uvicorn
+
+    from crowdtrain.coordinator.service import create_app
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shards_dir = resolve_shards(config)
+    spec = build_spec(config, shards_dir)
+    (run_dir / "coordinator.json").write_text(json.dumps(spec, indent=2))
+    (run_dir / "run.json").unlink(missing_ok=True)
+    log = open(run_dir / "aux.log", "a")
+    aux = subprocess.Popen([sys.executable, "-m", "crowdtrain.swarm.aux_peer", str(run_dir)], stdout=log,
+                           stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + config.startup_timeout_s
+        while not (run_dir / "run.json").is_file():
+            if aux.poll() is not None:
+                tail = (run_dir / "aux.log").read_text()[-2000:]
+                raise RuntimeError(f"the auxiliary peer exited with code {aux.returncode}; its log ends:\n{tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the auxiliary peer did not start within {config.startup_timeout_s:.0f}s; "
+                                   f"see {run_dir / 'aux.log'}")
+            time.sleep(0.2)
+        info = json.loads((run_dir / "run.json").read_text())
+        logger.info("run %s is up: volunteers join with\n\n    crowdtrain join %s\n\nDHT peer %s",
+                    config.run_id, config.url, info["coordinator_peer_id"])
+        app = create_app(run_dir, shards_dir=shards_dir,
+                         text_tokenizer=spec["text_tokenizer"]["path"] if spec["text_tokenizer"] else None)
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    finally:
+        aux.terminate()
+        try:
+            aux.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            aux.kill()
+        log.close()
+    return 0

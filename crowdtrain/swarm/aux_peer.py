@@ -1,0 +1,175 @@
+"""The coordinator's auxiliary peer: first DHT peer, metrics collector, state keeper, checkpointer.
+
+Runs as a child process of ``crowdtrain coordinator`` (the web side never imports torch). It
+
+1. starts the run's first DHT peer on a fixed port with a persistent identity, so volunteers
+   and a restarted coordinator find each other at the same address;
+2. writes ``run.json`` (what ``GET /api/join`` serves): run id, task, architecture fingerprint,
+   swarm settings, initial peers;
+3. collects every peer's signed metrics records into ``metrics.jsonl`` and ``status.json``;
+4. every ``checkpoint_every_epochs`` downloads the newest model and optimizer state from the
+   peers and writes a checkpoint (the last ``keep_checkpoints`` are kept);
+5. serves that state to newcomers when no trainer is around, e.g. after everyone left, and on
+   start resumes from the latest checkpoint.
+
+    python -m crowdtrain.swarm.aux_peer RUN_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from crowdtrain.checkpoint import (checkpoint_name, latest_checkpoint, load_optimizer_state, prune_checkpoints,
+                                   save_checkpoint)
+from crowdtrain.model.config import ModelConfig
+from crowdtrain.model.info import architecture_fingerprint
+from crowdtrain.model.transformer import DalleTransformer
+from crowdtrain.optim import param_groups
+from crowdtrain.swarm import metrics as swarm_metrics
+from crowdtrain.swarm.compression import PaperCompression
+from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, make_scheduler, unflatten_optimizer_state
+
+logger = logging.getLogger(__name__)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+class AuxPeer:
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        spec = json.loads((run_dir / "coordinator.json").read_text())
+        self.spec = spec
+        self.swarm = SwarmConfig.from_dict(spec["swarm"])
+        self.model_config = ModelConfig.from_dict(spec["task"]["model"])
+        self.checkpoint_dir = Path(spec["checkpoint_dir"])
+        self.keep = int(spec.get("keep_checkpoints", 3))
+        validators, self.signer = swarm_metrics.make_validators(self.swarm.run_id)
+        self.dht = hivemind.DHT(host_maddrs=[f"/ip4/{spec['dht_host']}/tcp/{spec['dht_port']}"],
+                                identity_path=spec["identity"], record_validators=validators, start=True)
+        self.model = DalleTransformer(self.model_config)
+        compression = PaperCompression(self.swarm.compression_threshold)
+        self.averager = TrainingStateAverager(
+            dht=self.dht, prefix=f"{self.swarm.run_id}_state_averager",
+            optimizer=partial(make_lamb, config=self.swarm), scheduler=partial(make_scheduler, config=self.swarm),
+            params=param_groups(self.model, self.swarm.weight_decay), compression=compression,
+            state_compression=compression, min_matchmaking_time=self.swarm.matchmaking_time_s,
+            allow_state_sharing=True, start=True)
+        self.last_checkpoint_epoch = self._resume()
+        self.seen: dict[str, float] = {}
+        self.stop = threading.Event()
+
+    def _resume(self) -> int:
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return 0
+        from safetensors.torch import load_file
+
+        state = load_file(path / "model.safetensors")
+        self.model.load_state_dict(state)
+        loaded = load_optimizer_state(path)
+        if loaded is not None:
+            tensors, meta = loaded
+            self.averager.optimizer.load_state_dict(unflatten_optimizer_state(tensors, meta))
+        epoch = int(json.loads((path / "config.json").read_text())["step"])
+        self.averager.local_epoch = epoch
+        self.averager._update_scheduler()
+        self.averager.state_sharing_priority = epoch
+        logger.info("resumed from %s at epoch %d", path, epoch)
+        return epoch
+
+    def announce(self) -> None:
+        maddrs = [str(m) for m in self.dht.get_visible_maddrs(latest=True)]
+        join = {
+            "run_id": self.swarm.run_id,
+            "fingerprint": architecture_fingerprint(self.model_config),
+            "swarm": self.swarm.to_dict(),
+            "task": self.spec["task"],
+            "initial_peers": maddrs,
+            "text_tokenizer": self.spec.get("text_tokenizer"),
+            "coordinator_peer_id": str(self.dht.peer_id),
+        }
+        write_json_atomic(self.run_dir / "run.json", join)
+        logger.info("DHT up at %s", maddrs)
+
+    def collect(self) -> list[swarm_metrics.PeerMetrics]:
+        records = swarm_metrics.fetch(self.dht, self.swarm.run_id)
+        fresh = [r for r in records if self.seen.get(r.peer_id) != r.time]
+        if fresh:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                for r in fresh:
+                    f.write(json.dumps(r.dict()) + "\n")
+                    self.seen[r.peer_id] = r.time
+        live = [r for r in records if time.time() - r.time < 60]
+        epoch = max([r.epoch for r in live], default=self.averager.local_epoch)
+        write_json_atomic(self.run_dir / "status.json", {
+            "epoch": epoch, "peers": [r.dict() for r in live], "updated": time.time(),
+            "last_checkpoint_epoch": self.last_checkpoint_epoch,
+            "samples_per_second": sum(r.samples_per_second for r in live)})
+        return live
+
+    def maybe_checkpoint(self, live: list[swarm_metrics.PeerMetrics], *, force: bool = False) -> None:
+        swarm_epoch = max([r.epoch for r in live], default=0)
+        due = swarm_epoch >= self.last_checkpoint_epoch + self.swarm.checkpoint_every_epochs
+        if not live or not (due or force):
+            return
+        try:
+            self.averager.load_state_from_peers(timeout=self.swarm.load_state_timeout_s)
+        except Exception as e:  # a peer left mid-download: try again next time
+            logger.warning("could not download state for a checkpoint: %r", e)
+            return
+        epoch = self.averager.local_epoch
+        if epoch <= self.last_checkpoint_epoch and not force:
+            return
+        self.averager.state_sharing_priority = epoch
+        tensors, meta = flatten_optimizer_state(self.averager.optimizer.state_dict())
+        mean_loss = sum(r.loss for r in live) / len(live)
+        path = save_checkpoint(self.checkpoint_dir / checkpoint_name(epoch), self.model, step=epoch, loss=mean_loss,
+                               run_config={"task": self.spec["task"], "swarm": self.swarm.to_dict()},
+                               optimizer_state=tensors, optimizer_meta=meta, assets=self.spec.get("assets"))
+        prune_checkpoints(self.checkpoint_dir, self.keep)
+        self.last_checkpoint_epoch = epoch
+        logger.info("checkpoint at epoch %d: %s (mean loss %.4f)", epoch, path, mean_loss)
+
+    def run(self, refresh_s: float = 2.0) -> None:
+        self.announce()
+        while not self.stop.is_set():
+            live = self.collect()
+            self.maybe_checkpoint(live)
+            self.stop.wait(refresh_s)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+        self.dht.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s aux: %(message)s", datefmt="%H:%M:%S")
+    torch.set_num_threads(1)  # the aux peer does no heavy compute; leave the cores to trainers
+    peer = AuxPeer(Path(argv[0]))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: peer.stop.set())
+    peer.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""`crowdtrain join`: volunteer your machine to a run."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "join", help="join a run as a volunteer: one command",
+        description="Fetch a run's configuration from its coordinator, check this machine builds the same "
+                    "model, download the current state from peers, stream data and train with the swarm. "
+                    "Ctrl-C leaves cleanly. One progress line per step: epoch, local loss, samples/s, samples "
+                    "contributed, peers in the last averaging round.")
+    p.add_argument("url", help="the coordinator's address, e.g. http://HOST:8000")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per local step (lower it if out of memory)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (fp16 needs a GPU)")
+    p.add_argument("--client-mode", action="store_true",
+                   help="behind NAT or a firewall: only make outbound connections")
+    p.add_argument("--host", default="0.0.0.0", help="address to accept peer connections on")
+    p.add_argument("--max-epochs", type=int, default=None, help="leave when the swarm reaches this global epoch")
+    p.add_argument("--minutes", type=float, default=None, help="leave after this much time")
+    p.add_argument("--user", default="anonymous", help="name shown for your contributions")
+    p.add_argument("--simulated-step-s", type=float, default=0.0,
+                   help="pad each step to at least this many seconds (emulates a slower device)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--summary-file", default=None, help="write a JSON summary of this peer's run here")
+    p.add_argument("--save-final", default=None, help="save the final parameters (safetensors) here")
+    p.add_argument("--model", action="append", metavar="KEY=VALUE",
+                   help="override the run's model config (only to test that a different model is refused)")
+    p.set_defaults(handler=_join)
+
+
+def _join(args) -> int:
+    from crowdtrain.coordinator.cli import parse_overrides
+    from crowdtrain.swarm.peer import VolunteerConfig, run_volunteer
+
+    config = VolunteerConfig(
+        coordinator_url=args.url, batch_size=args.batch_size, device=args.device, precision=args.precision,
+        client_mode=args.client_mode, host=args.host, max_epochs=args.max_epochs, max_minutes=args.minutes,
+        user=args.user, simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
+        summary_file=args.summary_file, save_final=args.save_final,
+        model_overrides=parse_overrides(args.model, flag="--model"), verbose=args.verbose)
+    run_volunteer(config)
+    return 0

@@ -1,0 +1,79 @@
+"""Per-peer training metrics as signed, schema-validated DHT records.
+
+Each peer stores one record under ``{run_id}_metrics`` with its RSA public key as the subkey;
+hivemind's ``RSASignatureValidator`` makes every DHT node refuse a change to that subkey not
+signed by the owner's private key, and ``SchemaValidator`` refuses records whose fields or types
+do not match ``PeerMetrics``. So a peer can only write its own metrics, and only well-formed ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict
+
+import hivemind
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+
+class PeerMetrics(pydantic.BaseModel):
+    peer_id: pydantic.StrictStr
+    epoch: pydantic.conint(ge=0, strict=True)  # the global epoch this peer is at
+    samples: pydantic.conint(ge=0, strict=True)  # samples this peer contributed since it joined
+    samples_per_second: pydantic.confloat(ge=0.0, strict=True)
+    loss: pydantic.confloat(strict=True)  # mean local loss since the last record
+    steps: pydantic.conint(ge=0, strict=True)
+    time: pydantic.confloat(ge=0.0, strict=True)
+    client_mode: pydantic.StrictBool
+    last_round_peers: pydantic.conint(ge=0, strict=True)  # group size of its last gradient round
+    swarm_peers: pydantic.conint(ge=0, strict=True)  # peers reporting progress at that round
+    fingerprint: pydantic.StrictStr
+    user: pydantic.StrictStr = "anonymous"
+
+
+class MetricsSchema(pydantic.BaseModel):
+    metrics: Dict[BytesWithPublicKey, PeerMetrics]
+
+
+def make_validators(run_id: str) -> tuple[list, RSASignatureValidator]:
+    """Record validators every peer of a run installs in its DHT, and this peer's signer."""
+    signer = RSASignatureValidator()
+    return [SchemaValidator(MetricsSchema, prefix=run_id), signer], signer
+
+
+def metrics_key(run_id: str) -> str:
+    return f"{run_id}_metrics"
+
+
+def publish(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, metrics: PeerMetrics,
+            *, expiration_s: float = 60.0) -> None:
+    """Store this peer's record (in the background; a failed store is retried by the next one)."""
+    dht.store(key=metrics_key(run_id), subkey=signer.local_public_key, value=metrics.dict(),
+              expiration_time=get_dht_time() + expiration_s, return_future=True)
+
+
+def fetch(dht: hivemind.DHT, run_id: str, *, timeout_s: float = 10.0) -> list[PeerMetrics]:
+    """All live peers' latest records; malformed ones (already refused by validators) are skipped."""
+    try:
+        found = dht.get(metrics_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+    except Exception as e:  # a slow or partitioned DHT: report nothing this time
+        logger.debug("could not read metrics: %r", e)
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for subkey, entry in found.value.items():
+        try:
+            records.append(PeerMetrics.parse_obj(entry.value))
+        except pydantic.ValidationError as e:
+            logger.warning("dropped a malformed metrics record: %s", e)
+    return records
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,132 @@
+"""The swarm optimizer: hivemind.Optimizer around an 8-bit LAMB, with the paper's schedule.
+
+Each peer accumulates gradients at its own pace; when the swarm together reaches
+``target_batch_size`` samples, peers average gradients (weighted by samples), every peer applies
+the same LAMB step (one global epoch), and parameters and optimizer statistics are averaged in
+the background so peers stay identical. The learning rate is keyed on the global epoch, so a late
+joiner uses exactly the rate everyone else does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import partial
+
+import bitsandbytes as bnb
+import hivemind
+import torch
+
+from crowdtrain.optim import linear_warmup_decay, param_groups
+from crowdtrain.swarm.compression import PaperCompression
+from crowdtrain.swarm.config import SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ClippedLAMB8bit(bnb.optim.LAMB8bit):
+    """bitsandbytes' 8-bit LAMB that first clips the (averaged) gradient's global norm."""
+
+    def __init__(self, params, *, clip_grad_norm: float, **kwargs):
+        super().__init__(params, **kwargs)
+        self.clip_grad_norm = clip_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.clip_grad_norm and params:
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        return super().step(closure)
+
+
+def make_lamb(params, config: SwarmConfig) -> ClippedLAMB8bit:
+    return ClippedLAMB8bit(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                           weight_decay=config.weight_decay, clip_grad_norm=config.clip_grad_norm)
+
+
+def make_scheduler(optimizer, config: SwarmConfig):
+    schedule = partial(linear_warmup_decay, warmup_steps=config.warmup_epochs, total_steps=config.total_epochs)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+class SwarmOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer that remembers how many peers each gradient-averaging round had."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rounds_lock = threading.Lock()
+        self.rounds: list[dict] = []  # {"epoch", "group_size", "swarm_peers"} per round
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        swarm_peers = self.tracker.global_progress.num_peers
+        epoch = self.local_epoch
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        group_size = 1
+        if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.cancelled():
+            try:
+                group_size = len(maybe_step_control.result(0))
+            except BaseException:  # the round failed: this peer used its local gradients
+                group_size = 1
+        with self._rounds_lock:
+            self.rounds.append({"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers})
+
+    def last_round(self) -> dict | None:
+        with self._rounds_lock:
+            return self.rounds[-1] if self.rounds else None
+
+
+def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
+                    client_mode: bool = False, auxiliary: bool = False, verbose: bool = False) -> SwarmOptimizer:
+    compression = PaperCompression(config.compression_threshold)
+    return SwarmOptimizer(
+        dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
+        batch_size_per_step=batch_size,
+        optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),
+        scheduler=partial(make_scheduler, config=config),
+        matchmaking_time=config.matchmaking_time_s, averaging_timeout=config.averaging_timeout_s,
+        load_state_timeout=config.load_state_timeout_s, average_state_every=config.average_state_every,
+        offload_optimizer=config.offload_optimizer, delay_optimizer_step=config.delay_optimizer_step,
+        delay_grad_averaging=config.delay_optimizer_step,
+        grad_compression=compression, state_averaging_compression=compression, load_state_compression=compression,
+        client_mode=client_mode, auxiliary=auxiliary, verbose=verbose,
+        # request_timeout below min_matchmaking_time avoids rare matchmaking deadlocks.
+        averager_opts=dict(request_timeout=min(1.0, config.matchmaking_time_s / 3)),
+        tracker_opts=dict(min_refresh_period=0.5, max_refresh_period=max(2.0, config.matchmaking_time_s)),
+    )
+
+
+def all_finite(tensors) -> bool:
+    return all(torch.isfinite(t).all() for t in tensors if t is not None)
+
+
+def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer state dict into named tensors and JSON, for safetensors checkpoints."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj, path):
+        if isinstance(obj, torch.Tensor):
+            name = "/".join(path)
+            tensors[name] = obj
+            return {"__tensor__": name}
+        if isinstance(obj, dict):
+            return {"__dict__": [[k, walk(v, path + [str(k)])] for k, v in obj.items()]}
+        if isinstance(obj, (list, tuple)):
+            return {"__list__": [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise ValueError(f"cannot store optimizer state entry {'/'.join(path)} of type {type(obj).__name__}")
+
+    return tensors, {"structure": walk(state_dict, [])}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    def build(node):
+        if isinstance(node, dict) and "__tensor__" in node:
+            return tensors[node["__tensor__"]]
+        if isinstance(node, dict) and "__dict__" in node:
+            return {k: build(v) for k, v in node["__dict__"]}
+        if isinstance(node, dict) and "__list__" in node:
+            return [build(v) for v in node["__list__"]]
+        return node
+
+    return build(meta["structure"])

@@ -1,0 +1,247 @@
+"""A volunteer peer: join a run from its coordinator's URL and train with the swarm.
+
+The coordinator hands out the run as data (``GET /api/join``): run id, task (model config and
+data location), its architecture fingerprint, swarm settings and initial DHT peers. The peer
+refuses to start if its own code would build a different model, downloads the current state
+from peers, streams its data and trains until stopped (Ctrl-C leaves cleanly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VolunteerConfig:
+    coordinator_url: str
+    batch_size: int = 16
+    device: str = "cpu"
+    client_mode: bool = False  # behind NAT: outbound connections only
+    max_epochs: int | None = None  # leave once the swarm reaches this global epoch
+    max_minutes: float | None = None
+    host: str = "0.0.0.0"  # where to listen for other peers (ignored in client mode)
+    simulated_step_s: float = 0.0  # pad each step to at least this long (emulate a slower device)
+    precision: str = "fp32"
+    user: str = "anonymous"
+    cache_dir: str = "~/.cache/crowdtrain"
+    summary_file: str | None = None  # write a JSON summary here when leaving
+    save_final: str | None = None  # write the final parameters (safetensors) here when leaving
+    model_overrides: dict = field(default_factory=dict)  # only to test refusal of a different model
+    torch_threads: int | None = None
+    verbose: bool = False
+
+    def __post_init__(self):
+        if not self.coordinator_url.startswith(("http://", "https://")):
+            raise ValueError(f"the coordinator address must be an http(s) URL such as http://HOST:8000, "
+                             f"got {self.coordinator_url!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.client_mode and self.host not in ("0.0.0.0", "127.0.0.1"):
+            logger.warning("--host is ignored in --client-mode: client peers accept no connections")
+
+
+def fetch_json(url: str, *, timeout_s: float = 15.0, retries: int = 3) -> dict:
+    last = None
+    for attempt in range(retries):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                raise ValueError(f"{url} answered {e.code}: {e.read().decode(errors='replace')[:300]}") from e
+            last = e
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            last = e
+        time.sleep(1 + attempt)
+    raise ValueError(f"cannot reach the coordinator at {url} ({last}); check the address and that it is running")
+
+
+def download_asset(url: str, sha256: str, cache_dir: Path) -> Path:
+    """Fetch a file the run needs (the text tokenizer) into the cache, verified by hash."""
+    path = cache_dir / f"{sha256}-{url.rsplit('/', 1)[-1]}"
+    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == sha256:
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with urllib.request.urlopen(url, timeout=60) as response:
+        data = response.read()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{url} does not match the hash the coordinator announced; refusing to use it")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return path
+
+
+def check_fingerprint(info: dict, model_config) -> None:
+    from crowdtrain.model.info import architecture_fingerprint
+
+    mine = architecture_fingerprint(model_config)
+    if mine != info["fingerprint"]:
+        raise ValueError(
+            f"this peer's model (fingerprint {mine}) differs from the run's ({info['fingerprint']}): "
+            "its crowdtrain builds different weights for this run's config. Install the crowdtrain "
+            "version the coordinator runs (and drop any model overrides), then join again")
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM: the loop finishes its step and leaves cleanly."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.owner = os.getpid()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (tests call run_volunteer in a thread)
+                pass
+
+    def _handle(self, signum, frame):
+        if os.getpid() != self.owner:  # a forked hivemind process inherited this handler: default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        logger.info("leaving the swarm after this step (press Ctrl-C again to quit at once)")
+        self.event.set()
+
+
+def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) -> dict:
+    import hivemind
+
+    from crowdtrain.model.config import ModelConfig
+    from crowdtrain.swarm import metrics as swarm_metrics
+    from crowdtrain.swarm.config import SwarmConfig
+    from crowdtrain.swarm.optimizer import all_finite, build_optimizer
+    from crowdtrain.train.local import autocast_context
+    from crowdtrain.train.task import DalleTask
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    base = config.coordinator_url.rstrip("/")
+    info = fetch_json(f"{base}/api/join")
+    swarm = SwarmConfig.from_dict(info["swarm"])
+    model_config = ModelConfig.from_dict({**info["task"]["model"], **config.model_overrides})
+    check_fingerprint(info, model_config)
+    tokenizer = None
+    if info.get("text_tokenizer"):
+        tokenizer = download_asset(info["text_tokenizer"]["url"], info["text_tokenizer"]["sha256"],
+                                   Path(config.cache_dir).expanduser())
+    task = DalleTask(model_config, data=info["task"]["data"], text_tokenizer=tokenizer)
+
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but torch sees no CUDA device; use --device cpu")
+    stop_event = stop or _Stop().event
+    validators, signer = swarm_metrics.make_validators(swarm.run_id)
+    dht = hivemind.DHT(initial_peers=info["initial_peers"], client_mode=config.client_mode,
+                       host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True)
+    peer_id = str(dht.peer_id)
+    model = task.build_model().to(device)
+    optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size, client_mode=config.client_mode,
+                                verbose=config.verbose)
+    summary = {"peer_id": peer_id, "user": config.user, "config": asdict(config), "fingerprint": info["fingerprint"],
+               "epochs": [], "rounds": []}
+    try:
+        t_join = time.perf_counter()
+        optimizer.load_state_from_peers()
+        joined_epoch = optimizer.local_epoch
+        logger.info("peer %s joined run %s at epoch %d (state loaded in %.1fs)", peer_id[-8:], swarm.run_id,
+                    joined_epoch, time.perf_counter() - t_join)
+        summary.update(joined_epoch=joined_epoch, state_load_s=time.perf_counter() - t_join)
+        _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop_event, summary,
+                    swarm_metrics, all_finite, autocast_context, t_join)
+    finally:
+        # shutdown() waits for the delayed optimizer step and state averaging, so what is saved
+        # below is the state the swarm agreed on, not one step behind.
+        optimizer.shutdown()
+        summary["rounds"] = list(optimizer.rounds)
+        summary["final_epoch"] = optimizer.local_epoch
+        if config.save_final:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, config.save_final)
+        if config.summary_file:
+            Path(config.summary_file).write_text(json.dumps(summary, indent=2))
+        dht.shutdown()
+    return summary
+
+
+def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop_event, summary, swarm_metrics,
+                all_finite, autocast_context, t_join) -> None:
+    batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
+    start = time.perf_counter()
+    contributed = steps = 0
+    waited = 0.0
+    losses: list[float] = []
+    last_report = start
+    epoch_seen = optimizer.local_epoch
+    first_contribution_s = None
+    while not stop_event.is_set():
+        if config.max_epochs is not None and optimizer.local_epoch >= config.max_epochs:
+            logger.info("the swarm reached epoch %d; leaving", optimizer.local_epoch)
+            break
+        if config.max_minutes is not None and time.perf_counter() - start > 60 * config.max_minutes:
+            break
+        t_step = time.perf_counter()
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        with autocast_context(device, config.precision):
+            loss = task.loss(model, batch)
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        if not torch.isfinite(loss) or not all_finite(grads):
+            # Never send a non-finite gradient: drop this batch and go on.
+            logger.warning("non-finite loss or gradient (loss %s); dropping this batch", loss.item())
+            optimizer.zero_grad()
+            continue
+        t_opt = time.perf_counter()
+        optimizer.step()  # blocks only when this peer must wait for the swarm (averaging, state)
+        waited += time.perf_counter() - t_opt
+        optimizer.zero_grad()
+        if not all_finite(list(model.parameters())):
+            logger.error("parameters became non-finite; reloading the state from peers")
+            optimizer.load_state_from_peers()
+        steps += 1
+        contributed += config.batch_size
+        losses.append(loss.item())
+        if first_contribution_s is None and optimizer.local_epoch > epoch_seen:
+            first_contribution_s = time.perf_counter() - t_join
+            summary["first_epoch_s"] = first_contribution_s
+            summary["first_epoch_unix"] = time.time()
+        if config.simulated_step_s > 0:
+            time.sleep(max(0.0, config.simulated_step_s - (time.perf_counter() - t_step)))
+        now = time.perf_counter()
+        rate = contributed / max(now - start, 1e-9)
+        last_round = optimizer.last_round() or {"group_size": 0, "swarm_peers": 0}
+        logger.info("epoch %d | loss %.4f | %.1f samples/s | contributed %d | peers in last round %d/%d",
+                    optimizer.local_epoch, losses[-1], rate, contributed, last_round["group_size"],
+                    last_round["swarm_peers"])
+        if optimizer.local_epoch != epoch_seen or now - last_report > 5:
+            window = losses[-20:]
+            mean_loss = sum(window) / len(window)
+            if optimizer.local_epoch != epoch_seen:
+                summary["epochs"].append({"epoch": optimizer.local_epoch, "loss": mean_loss, "samples": contributed,
+                                          "time": now - start})
+            swarm_metrics.publish(dht, swarm.run_id, signer, swarm_metrics.PeerMetrics(
+                peer_id=summary["peer_id"], epoch=optimizer.local_epoch, samples=contributed,
+                samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
+                client_mode=config.client_mode, last_round_peers=int(last_round["group_size"]),
+                swarm_peers=int(last_round["swarm_peers"]), fingerprint=summary["fingerprint"],
+                user=config.user))
+            epoch_seen, last_report = optimizer.local_epoch, now
+    summary.update(samples=contributed, steps=steps, seconds=time.perf_counter() - start, wait_s=waited,
+                   loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)

@@ -1,0 +1,109 @@
+"""Pure pieces of the swarm and the coordinator's HTTP service (no processes)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from hivemind.compression import CompressionInfo, Float16Compression, NoCompression, Uniform8BitQuantization
+
+from crowdtrain.coordinator.service import create_app
+from crowdtrain.model import DalleTransformer, get_preset
+from crowdtrain.optim import param_groups
+from crowdtrain.swarm.compression import PaperCompression, wire_bytes
+from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, unflatten_optimizer_state
+
+
+def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():
+    policy = PaperCompression(threshold=2**16)
+    choose = lambda t: type(policy.choose_compression(CompressionInfo.from_tensor(t)))
+    assert choose(torch.zeros(2**16)) is Uniform8BitQuantization
+    assert choose(torch.zeros(2**16 - 1)) is Float16Compression
+    assert choose(torch.zeros(2**20, dtype=torch.uint8)) is NoCompression  # 8-bit optimizer codes
+    big = torch.randn(2**16)
+    restored = policy.extract(policy.compress(big, CompressionInfo.from_tensor(big)))
+    # Uniform 8-bit bins span +-3 sigma (outliers clip): typical error is a fraction of a bin.
+    assert (restored - big).abs().mean() < 0.02 * big.std()
+    codes = torch.randint(0, 255, (2**17,), dtype=torch.uint8)
+    assert torch.equal(policy.extract(policy.compress(codes, CompressionInfo.from_tensor(codes))), codes)
+    # Bytes on the wire: 1 byte per element (plus a codebook) vs 4 for fp32.
+    assert wire_bytes([2**20]) / (4 * 2**20) < 0.26 and wire_bytes([1000]) == 2000
+
+
+def test_lamb8bit_state_survives_flattening_for_checkpoints():
+    torch.manual_seed(0)
+    model = DalleTransformer(get_preset("tiny"))
+    config = SwarmConfig()
+    optimizer = make_lamb(param_groups(model, config.weight_decay), config)
+    model(torch.randint(1, 200, (2, 16)), torch.randint(0, 64, (2, 64))).loss.backward()
+    optimizer.step()
+    tensors, meta = flatten_optimizer_state(optimizer.state_dict())
+    assert any(t.dtype == torch.uint8 for t in tensors.values()), "8-bit states are stored as uint8 codes"
+    json.dumps(meta)  # the structure is plain JSON
+    restored = unflatten_optimizer_state(tensors, meta)
+    fresh = make_lamb(param_groups(model, config.weight_decay), config)
+    fresh.load_state_dict(restored)
+    for (k, a), (_, b) in zip(sorted(optimizer.state_dict()["state"].items()), sorted(fresh.state_dict()["state"].items())):
+        for name in a:
+            if isinstance(a[name], torch.Tensor):
+                assert torch.equal(a[name], b[name]), (k, name)
+
+
+def test_swarm_config_validates_and_rejects_unknown_settings():
+    with pytest.raises(ValueError, match="averaging_timeout_s must exceed"):
+        SwarmConfig(matchmaking_time_s=10, averaging_timeout_s=5)
+    with pytest.raises(ValueError, match="--run-id"):
+        SwarmConfig(run_id="my run!")
+    with pytest.raises(ValueError, match="upgrade crowdtrain"):
+        SwarmConfig.from_dict({**SwarmConfig().to_dict(), "new_knob": 1})
+    assert SwarmConfig.from_dict(SwarmConfig().to_dict()) == SwarmConfig()
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-0000005").mkdir(parents=True)
+    (run / "checkpoints" / "step-0000005" / "config.json").write_text(json.dumps({"step": 5, "loss": 3.2, "time": 1.0}))
+    (run / "checkpoints" / "step-0000005" / "model.safetensors").write_bytes(b"weights")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "shards.json").write_text("{}")
+    (shards / "train-00000.parquet").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "secret.txt").write_text("not for you")
+    return run, shards
+
+
+def test_service_answers_503_until_the_first_peer_is_up_then_serves_the_run(run_dir):
+    run, shards = run_dir
+    client = TestClient(create_app(run, shards_dir=shards))
+    r = client.get("/api/join")
+    assert r.status_code == 503 and "retry" in r.json()["detail"]
+    (run / "run.json").write_text(json.dumps({"run_id": "r1", "initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/Qm"]}))
+    assert client.get("/api/join").json()["run_id"] == "r1"
+    assert client.get("/api/status").json()["epoch"] == 0
+    (run / "metrics.jsonl").write_text('{"peer_id": "a", "loss": 1.0}\n{"peer_id": "b", "lo')  # cut by a crash
+    assert client.get("/api/metrics").json() == [{"peer_id": "a", "loss": 1.0}]
+    assert client.get("/api/metrics?limit=0").status_code == 422
+    assert client.get("/api/checkpoints").json()[0]["epoch"] == 5
+    assert client.get("/checkpoints/step-0000005/model.safetensors").content == b"weights"
+    assert client.get("/checkpoints/step-0000005/notes.txt").status_code == 404
+
+
+def test_shards_are_served_with_range_requests_and_no_path_traversal(run_dir):
+    run, shards = run_dir
+    client = TestClient(create_app(run, shards_dir=shards))
+    r = client.get("/shards/train-00000.parquet", headers={"Range": "bytes=10-19"})
+    assert r.status_code == 206 and r.content == bytes(range(10, 20))
+    assert r.headers["content-range"] == "bytes 10-19/1024"
+    assert client.get("/shards/../secret.txt").status_code == 404
+    assert client.get("/shards/%2e%2e/secret.txt").status_code == 404
+    assert client.get("/checkpoints/..%2F..%2Fsecret.txt/config.json").status_code == 404
+
+
+def test_the_coordinator_side_never_imports_torch():
+    code = ("import sys, crowdtrain.coordinator.service, crowdtrain.coordinator.run, crowdtrain.coordinator.cli; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

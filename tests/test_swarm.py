@@ -1,0 +1,146 @@
+"""The swarm with real processes on 127.0.0.1: a coordinator and volunteers training `tiny` together."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from crowdtrain.model import DalleTransformer, get_preset
+from crowdtrain.train.task import DalleTask
+from tests.swarm_harness import Swarm
+
+
+def eval_loss(path) -> float:
+    """Loss of saved parameters on one fixed batch of the learnable pattern data."""
+    cfg = get_preset("tiny")
+    model = DalleTransformer(cfg)
+    model.load_state_dict(load_file(str(path)))
+    model.eval()
+    batch = next(DalleTask(cfg, data="pattern").batches(batch_size=128, seed_key="held-out eval"))
+    with torch.no_grad():
+        return model(**batch).loss.item()
+
+
+def initial_loss() -> float:
+    torch.manual_seed(0)
+    cfg = get_preset("tiny")
+    batch = next(DalleTask(cfg, data="pattern").batches(batch_size=128, seed_key="held-out eval"))
+    with torch.no_grad():
+        return DalleTransformer(cfg).eval()(**batch).loss.item()
+
+
+@pytest.fixture
+def swarm_factory(tmp_path):
+    created = []
+
+    def make(**kwargs):
+        swarm = Swarm(tmp_path, **kwargs)
+        created.append(swarm)
+        return swarm
+
+    yield make
+    for swarm in created:
+        swarm.close()
+
+
+@pytest.mark.timeout(420)
+def test_three_unequal_peers_train_one_model(swarm_factory):
+    swarm = swarm_factory()
+    swarm.start_coordinator()
+    epochs = 10
+    # Unequal peers: different batch sizes and a slower device.
+    swarm.join("a", batch_size=16, max_epochs=epochs)
+    swarm.join("b", batch_size=8, max_epochs=epochs)
+    swarm.join("c", batch_size=4, max_epochs=epochs, extra=["--simulated-step-s", "0.3"])
+    for name in "abc":
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    summaries = {n: swarm.summary(n) for n in "abc"}
+    finals = {n: s["final_epoch"] for n, s in summaries.items()}
+    assert min(finals.values()) >= epochs and max(finals.values()) - min(finals.values()) <= 1, finals
+    # Everyone contributed, the big batch most.
+    assert all(s["samples"] > 0 for s in summaries.values())
+    assert summaries["a"]["samples"] > summaries["c"]["samples"]
+    # Parameters agree after averaging (fp16 on the wire for tiny tensors), the loss went down.
+    params = {n: load_file(str(swarm.tmp / f"{n}.safetensors")) for n in "abc"}
+    for key, ref in params["a"].items():
+        for other in "bc":
+            diff = (params[other][key] - ref).abs().max().item()
+            assert diff < 2e-2 * max(1.0, ref.abs().max().item()), (key, other, diff)
+    start = initial_loss()
+    assert eval_loss(swarm.tmp / "a.safetensors") < start - 0.15, (start, eval_loss(swarm.tmp / "a.safetensors"))
+    # Most averaging rounds included every live peer.
+    rounds = [r for s in summaries.values() for r in s["rounds"] if r["swarm_peers"] >= 2]
+    full = sum(r["group_size"] >= r["swarm_peers"] for r in rounds)
+    assert rounds and full / len(rounds) >= 0.6, rounds
+    # The coordinator collected metrics and wrote checkpoints.
+    checkpoints = swarm.status()["last_checkpoint_epoch"]
+    assert checkpoints >= 3
+
+
+@pytest.mark.timeout(480)
+def test_two_peers_reach_the_loss_of_one_peer_with_the_same_global_batch(swarm_factory, tmp_path):
+    epochs = 10
+    solo = swarm_factory()
+    solo.start_coordinator()
+    solo.join("solo", batch_size=16, max_epochs=epochs)
+    assert solo.wait_exit("solo", 300) == 0, solo.log("solo")[-3000:]
+    solo.close()
+    solo_loss = eval_loss(solo.tmp / "solo.safetensors")
+
+    (tmp_path / "pair").mkdir()
+    pair = swarm_factory()
+    pair.tmp = tmp_path / "pair"
+    pair.run_dir = pair.tmp / "run"
+    pair.start_coordinator()
+    pair.join("p1", batch_size=8, max_epochs=epochs)
+    pair.join("p2", batch_size=8, max_epochs=epochs)
+    for name in ("p1", "p2"):
+        assert pair.wait_exit(name, 300) == 0, pair.log(name)[-3000:]
+    pair_loss = eval_loss(pair.tmp / "p1.safetensors")
+    start = initial_loss()
+    # Same samples, same global batch, same number of optimizer steps: the same progress.
+    solo_gain, pair_gain = start - solo_loss, start - pair_loss
+    assert solo_gain > 0.15 and pair_gain > 0.15, (start, solo_loss, pair_loss)
+    assert abs(pair_gain - solo_gain) < 0.4 * solo_gain, (start, solo_loss, pair_loss)
+
+
+@pytest.mark.timeout(600)
+def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
+    swarm = swarm_factory(swarm={"checkpoint_every_epochs": 2})
+    first = swarm.start_coordinator()
+    target = 14
+    swarm.join("a", batch_size=16, max_epochs=target)
+    swarm.join("b", batch_size=16, max_epochs=target)
+    swarm.join("victim", batch_size=16, max_epochs=target)
+    swarm.wait_epoch(3, 180)
+    swarm.kill("victim")  # SIGKILL mid-run: the others go on within one averaging timeout
+    killed_at = swarm.status()["epoch"]
+    swarm.wait_epoch(killed_at + 2, 30 + 90)
+    swarm.join("newcomer", batch_size=16, max_epochs=target)
+    swarm.wait_epoch(killed_at + 4, 180)
+
+    swarm.kill("coordinator", signal.SIGTERM)
+    restarted = swarm.start_coordinator()
+    assert restarted["coordinator_peer_id"] == first["coordinator_peer_id"], "identity survives a restart"
+    for name in ("a", "b", "newcomer"):
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    summaries = {n: swarm.summary(n) for n in ("a", "b", "newcomer")}
+    assert all(s["final_epoch"] >= target for s in summaries.values()), {n: s["final_epoch"] for n, s in summaries.items()}
+    newcomer = summaries["newcomer"]
+    assert newcomer["joined_epoch"] >= killed_at, "the newcomer downloaded the current state"
+    assert newcomer["samples"] > 0 and "first_epoch_s" in newcomer
+    # The restarted coordinator sees the peers again and keeps checkpointing.
+    assert swarm.status()["last_checkpoint_epoch"] >= target - 2
+
+
+def test_a_peer_with_a_different_model_is_refused(swarm_factory):
+    swarm = swarm_factory()
+    swarm.start_coordinator()
+    result = subprocess.run([sys.executable, "-m", "crowdtrain.cli", "join", swarm.url, "--model", "width=32",
+                             "--model", "head_dim=8"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "differs from the run's" in result.stderr and "Install the crowdtrain version" in result.stderr
