@@ -1,0 +1,232 @@
+"""Data commands: `data shapes|prepare|serve`, `tokenizer train|train-text|convert`, `generate`, `eval`."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    # ---- crowdtrain data ... ----------------------------------------------------------------
+    data = subparsers.add_parser("data", help="make, prepare and serve data sets",
+                                 description="Make the bundled shapes data set, turn images and captions "
+                                             "into streamed shards of image codes, serve shards over HTTP.")
+    dsub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND")
+
+    p = dsub.add_parser("shapes", help="generate the bundled shapes data set (PNG + .txt captions)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--num", type=int, default=10000, help="number of images (default: 10000)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--heldout", choices=["exclude", "only", "any"], default="exclude",
+                   help="held-out compositions: exclude (training data, default), only (a test set), any")
+    p.set_defaults(handler=_shapes)
+
+    p = dsub.add_parser("prepare", help="images + captions -> brotli parquet shards of image codes",
+                        description="Encode images with an image tokenizer and write shards (caption, code as "
+                                    "int16 bytes, original_width/height, NSFW, url). Resumable: run the same "
+                                    "command again after an interrupt.")
+    p.add_argument("--input", required=True,
+                   help="a folder of images with .txt captions, a webdataset .tar, or a .parquet of image bytes "
+                        "and captions")
+    p.add_argument("--out", required=True, help="shard folder")
+    p.add_argument("--image-tokenizer", default="shapes",
+                   help="'shapes' (the shipped one), a .safetensors file or a taming .ckpt (default: shapes)")
+    p.add_argument("--split", default="train", help="split name, the shards' file prefix (default: train)")
+    p.add_argument("--shard-size", type=int, default=5000, help="input items per shard (default: 5000)")
+    p.add_argument("--batch-size", type=int, default=64, help="images encoded at once (default: 64)")
+    p.add_argument("--nsfw-default", default="UNLIKELY",
+                   help="safety flag for inputs that carry none (default: UNLIKELY = safe, as LAION's NSFW column)")
+    p.set_defaults(handler=_prepare)
+
+    p = dsub.add_parser("serve", help="serve a shard folder over HTTP (with Range requests)")
+    p.add_argument("directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8008)
+    p.set_defaults(handler=_serve)
+
+    data.set_defaults(handler=lambda args: data.print_help() or 2)
+
+    # ---- crowdtrain tokenizer ... -----------------------------------------------------------
+    tok = subparsers.add_parser("tokenizer", help="train or convert image and text tokenizers")
+    tsub = tok.add_subparsers(dest="tokenizer_command", metavar="TOKENIZER_COMMAND")
+    p = tsub.add_parser("train", help="train the small VQ image tokenizer on a folder of images (CPU)",
+                        description="Train a small VQ-VAE image tokenizer; prints and stores its reconstruction "
+                                    "error. Defaults reproduce the shipped shapes tokenizer from "
+                                    "`crowdtrain data shapes --out DIR --num 10000 --seed 0`.")
+    p.add_argument("--data", required=True, help="folder of images (with .txt captions for the shapes report)")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    from crowdtrain.data.config import VQTrainConfig
+    d = VQTrainConfig()
+    p.add_argument("--image-size", type=int, default=d.image_size)
+    p.add_argument("--patch", type=int, default=d.patch, help="pixel block size of the first stage")
+    p.add_argument("--channels", default=",".join(map(str, d.channels)), help="channels per stage, comma separated")
+    p.add_argument("--codebook-size", type=int, default=d.codebook_size)
+    p.add_argument("--codebook-dim", type=int, default=d.codebook_dim)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--limit", type=int, default=None, help="use only the first N images")
+    p.set_defaults(handler=_tokenizer_train)
+
+    p = tsub.add_parser("train-text", help="train a BPE text tokenizer on captions",
+                        description="Train a byte-pair-encoding tokenizer (HF tokenizers) on captions: the .txt "
+                                    "files in a folder or the caption column of parquet shards. Id 0 is padding.")
+    p.add_argument("--data", required=True, help="folder of .txt captions or of parquet shards")
+    p.add_argument("--out", required=True, help="output tokenizer.json")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.set_defaults(handler=_tokenizer_train_text)
+
+    p = tsub.add_parser("convert", help="convert a taming-transformers VQGAN checkpoint to one .safetensors file")
+    p.add_argument("--taming", required=True, help="the .ckpt (e.g. vqgan_gumbel_f8_8192 last.ckpt)")
+    p.add_argument("--out", required=True, help="output .safetensors")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="unpickle the checkpoint fully (weights_only=False): only for files you trust")
+    p.add_argument("--image-size", type=int, default=256,
+                   help="resolution images are resized to before encoding (default: 256, a 32x32 grid at f=8)")
+    p.set_defaults(handler=_tokenizer_convert)
+    tok.set_defaults(handler=lambda args: tok.print_help() or 2)
+
+    # ---- crowdtrain generate / eval ---------------------------------------------------------
+    p = subparsers.add_parser("generate", help="sample images for a prompt, re-rank, write a PNG grid",
+                              description="Sample --num-samples images, decode them, re-rank with CLIP "
+                                          "(--clip DIR) or without (the model's own likelihood of each sample), "
+                                          "and write the best --keep as a PNG grid.")
+    p.add_argument("prompt", nargs="+", help="the caption to draw")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--num-samples", type=int, default=128)
+    p.add_argument("--keep", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=256)
+    p.add_argument("--top-p", type=float, default=0.75)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32, help="samples drawn at once")
+    p.add_argument("--rerank", choices=["auto", "clip", "likelihood", "none"], default="auto",
+                   help="auto: clip when --clip is given, else likelihood (default: auto)")
+    p.add_argument("--clip", default=None, help="local directory of a transformers CLIP model (e.g. ViT-B/32)")
+    p.add_argument("--out", default="grid.png", help="output PNG (default: grid.png)")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(handler=_generate)
+
+    p = subparsers.add_parser("eval", help="prompt adherence on seen and held-out shapes compositions",
+                              description="Generate images for the fixed shapes evaluation prompts and report "
+                                          "the share whose analysed content matches the prompt, separately "
+                                          "for seen and held-out compositions.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=256)
+    p.add_argument("--top-p", type=float, default=0.75)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(handler=_eval)
+
+
+# ---- handlers (heavy imports inside) ----------------------------------------------------------
+
+def _shapes(args) -> int:
+    from crowdtrain.data.shapes import write_shapes_folder
+
+    heldout = {"exclude": False, "only": True, "any": None}[args.heldout]
+    if args.num <= 0:
+        raise ValueError("--num must be positive")
+    write_shapes_folder(args.out, num=args.num, seed=args.seed, heldout=heldout)
+    print(f"wrote {args.num} images with captions to {args.out}")
+    return 0
+
+
+def _prepare(args) -> int:
+    from crowdtrain.data.shards import prepare_shards
+    from crowdtrain.data.tokenizers import resolve_image_tokenizer
+
+    tokenizer = resolve_image_tokenizer(args.image_tokenizer)
+    summary = prepare_shards(args.input, args.out, tokenizer, split=args.split, shard_size=args.shard_size,
+                             batch_size=args.batch_size, nsfw_default=args.nsfw_default)
+    print(summary.format())
+    return 0
+
+
+def _serve(args) -> int:
+    import time
+
+    from crowdtrain.data.http_server import serve_directory
+
+    server = serve_directory(args.directory, host=args.host, port=args.port)
+    print(f"serving {args.directory} at {server.url} (Ctrl-C to stop)")
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.close()
+
+
+def _tokenizer_train(args) -> int:
+    import torch
+
+    from crowdtrain.data.config import VQTrainConfig
+    from crowdtrain.data.vq_train import load_image_folder, reconstruction_report, split_holdout, train_vq
+
+    config = VQTrainConfig(image_size=args.image_size, patch=args.patch,
+                           channels=tuple(int(c) for c in args.channels.split(",")),
+                           codebook_size=args.codebook_size, codebook_dim=args.codebook_dim, steps=args.steps,
+                           batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    logger.info("config: %s (torch threads: %d)", config, torch.get_num_threads())
+    images, captions = load_image_folder(args.data, config.image_size, limit=args.limit)
+    train_idx, held_idx = split_holdout(len(images))
+    model = train_vq(images[train_idx], config)
+    report = reconstruction_report(model, images[held_idx], [captions[i] for i in held_idx])
+    report["train_images"] = int(len(train_idx))
+    report["command"] = (f"crowdtrain tokenizer train --data DIR --steps {config.steps} --seed {config.seed} "
+                         f"--channels {args.channels} --codebook-size {config.codebook_size}")
+    model.save(args.out, report=report, half=True)
+    print(f"wrote {args.out}")
+    print("reconstruction on held-out images: " + json.dumps(report))
+    return 0
+
+
+def _tokenizer_train_text(args) -> int:
+    from crowdtrain.data.tokenizers import read_captions, train_text_tokenizer
+
+    captions = read_captions(args.data)
+    tok = train_text_tokenizer(captions, vocab_size=args.vocab_size, out=args.out)
+    print(f"wrote {args.out}: vocabulary {tok.vocab_size} from {len(captions)} captions")
+    return 0
+
+
+def _tokenizer_convert(args) -> int:
+    from crowdtrain.data.vqgan import TamingVQGAN
+
+    model = TamingVQGAN.from_checkpoint(args.taming, trust_checkpoint=args.trust_checkpoint,
+                                        image_size=args.image_size)
+    model.save(args.out)
+    print(f"wrote {args.out}: {model.kind} {json.dumps(model.config_dict())}")
+    return 0
+
+
+def _generate(args) -> int:
+    from crowdtrain.data.config import GenerateConfig
+    from crowdtrain.data.generate import generate_grid
+
+    cfg = GenerateConfig(num_samples=args.num_samples, keep=args.keep, top_k=args.top_k, top_p=args.top_p,
+                         temperature=args.temperature, seed=args.seed, batch_size=args.batch_size,
+                         rerank=args.rerank, clip_dir=args.clip)
+    result = generate_grid(args.checkpoint, " ".join(args.prompt), cfg, out=args.out, device=args.device)
+    print(f"wrote {args.out}: best {len(result['scores'])} of {args.num_samples} by {result['reranker']} "
+          f"(scores {', '.join(f'{s:.3f}' for s in result['scores'])})")
+    return 0
+
+
+def _eval(args) -> int:
+    from crowdtrain.data.evaluate import evaluate_checkpoint, format_eval
+
+    results = evaluate_checkpoint(args.checkpoint, samples_per_prompt=args.samples_per_prompt, top_k=args.top_k,
+                                  top_p=args.top_p, temperature=args.temperature, seed=args.seed,
+                                  device=args.device)
+    print(format_eval(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

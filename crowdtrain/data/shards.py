@@ -1,0 +1,326 @@
+"""Shards: brotli-compressed parquet files of captions and image codes (``crowdtrain data prepare``).
+
+Columns, the same as the paper's published LAION VQGAN data (``laion/laion_100m_vqgan_f8``),
+so that data set streams unchanged:
+
+==================  =======  ==============================================================
+caption             string   the text
+code                binary   the image's H' x W' codes in raster order, little-endian int16
+original_width      int64    size of the source image before resizing
+original_height     int64
+NSFW                string   safety flag; "UNLIKELY" = safe (LAION's values: UNLIKELY, UNSURE, NSFW)
+url                 string   where the sample came from (a URL, or a file path / shapes id)
+==================  =======  ==============================================================
+
+A folder of shards holds ``{split}-{index:05d}.parquet`` and ``shards.json`` (the manifest: the
+image tokenizer's digest and grid, and per shard its rows and what was skipped). ``prepare``
+cuts the input into fixed runs of ``shard_size`` items in a deterministic order, writes each
+shard to a temporary name and renames it when complete, and rewrites the manifest after each
+shard: after an interrupt, the same command skips the finished shards and continues.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tarfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "shards.json"
+FORMAT = "crowdtrain-shards/1"
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+COLUMNS = ("caption", "code", "original_width", "original_height", "NSFW", "url")
+
+
+def shard_schema():
+    import pyarrow as pa
+
+    return pa.schema([("caption", pa.string()), ("code", pa.binary()), ("original_width", pa.int64()),
+                      ("original_height", pa.int64()), ("NSFW", pa.string()), ("url", pa.string())])
+
+
+def codes_to_bytes(codes) -> bytes:
+    """(H', W') or (N,) integer codes -> little-endian int16 bytes (the ``code`` column)."""
+    arr = np.asarray(codes).reshape(-1)
+    if arr.size and (arr.min() < -32768 or arr.max() > 32767):
+        raise ValueError("codes do not fit int16")
+    return arr.astype("<i2").tobytes()
+
+
+def bytes_to_codes(blob: bytes) -> np.ndarray:
+    return np.frombuffer(blob, dtype="<i2").astype(np.int64)
+
+
+def write_shard(path, rows: dict[str, list]) -> int:
+    """Write one shard atomically (temporary name, then rename). Returns the number of rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    table = pa.table({c: rows[c] for c in COLUMNS}, schema=shard_schema())
+    tmp = path.with_name(path.name + ".tmp")
+    # Dictionary encoding only where values repeat, and no min/max statistics of code blobs:
+    # on unique binary values both only add bytes.
+    pq.write_table(table, tmp, compression="brotli", row_group_size=1024, use_dictionary=["caption", "NSFW"],
+                   write_statistics=["caption", "original_width", "original_height", "NSFW", "url"])
+    os.replace(tmp, path)
+    return table.num_rows
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+@dataclass
+class Item:
+    """One input sample before encoding; ``error`` set when it cannot be used (the skip reason)."""
+
+    source: str
+    image_bytes: bytes | None = None
+    image_path: Path | None = None
+    image: np.ndarray | None = None  # an in-memory (H, W, 3) uint8 image (the demo data)
+    caption: str | None = None
+    nsfw: str | None = None
+    error: str | None = None
+
+
+def iter_items(source) -> tuple[Iterator[Item], int | None]:
+    """Items of an input, in a deterministic order, and their count when known up front."""
+    source = Path(source)
+    if source.is_dir():
+        paths = sorted(p for p in source.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+        if not paths:
+            raise ValueError(f"--input {source} has no images ({', '.join(IMAGE_EXTENSIONS)})")
+        return (_folder_item(p, source) for p in paths), len(paths)
+    if not source.is_file():
+        raise FileNotFoundError(f"--input {source} does not exist")
+    if source.suffix == ".tar":
+        return _tar_items(source), None
+    if source.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        return _parquet_items(source), pq.ParquetFile(source).metadata.num_rows
+    raise ValueError(f"--input {source}: expected a folder of images with .txt captions, a webdataset .tar "
+                     "or a .parquet with image bytes and captions")
+
+
+def _folder_item(path: Path, root: Path) -> Item:
+    txt = path.with_suffix(".txt")
+    caption = txt.read_text().strip() if txt.exists() else None
+    return Item(str(path.relative_to(root)), image_path=path, caption=caption,
+                error=None if txt.exists() else "missing caption (.txt)")
+
+
+def _tar_items(path: Path) -> Iterator[Item]:
+    """webdataset layout: members grouped by key (name up to the first dot): key.jpg + key.txt/json."""
+    def flush(key, parts):
+        image = next((parts[e] for e in ("jpg", "jpeg", "png", "webp") if e in parts), None)
+        caption = parts.get("txt", b"").decode("utf-8", "replace").strip() or None
+        nsfw = None
+        if "json" in parts:
+            try:
+                meta = json.loads(parts["json"])
+                caption = caption or meta.get("caption")
+                nsfw = meta.get("NSFW")
+            except ValueError:
+                pass
+        error = "no image in the sample" if image is None else None if caption else "missing caption"
+        return Item(f"{path.name}/{key}", image_bytes=image, caption=caption, nsfw=nsfw, error=error)
+
+    with tarfile.open(path) as tar:
+        key, parts = None, {}
+        for member in tar:
+            if not member.isfile():
+                continue
+            name = member.name
+            base = name.rsplit("/", 1)[-1]
+            k, _, ext = base.partition(".")
+            k = name[: len(name) - len(base)] + k
+            if key is not None and k != key:
+                yield flush(key, parts)
+                parts = {}
+            key = k
+            parts[ext.lower()] = tar.extractfile(member).read()
+        if key is not None:
+            yield flush(key, parts)
+
+
+def _parquet_items(path: Path) -> Iterator[Item]:
+    """A parquet with an image column (binary, or HF's Image struct {bytes, path}) and a caption column."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    image_col = next((c for c in ("image", "jpg", "png", "image_bytes", "img") if c in names), None)
+    caption_col = next((c for c in ("caption", "text", "txt") if c in names), None)
+    if image_col is None or caption_col is None:
+        raise ValueError(f"{path}: need an image column (image/jpg/png/image_bytes) and a caption column "
+                         f"(caption/text); found {names}")
+    columns = [image_col, caption_col] + [c for c in ("NSFW", "url") if c in names]
+    n = 0
+    for batch in pf.iter_batches(columns=columns, batch_size=256):
+        d = batch.to_pydict()
+        for i in range(batch.num_rows):
+            img = d[image_col][i]
+            if isinstance(img, dict):
+                img = img.get("bytes")
+            caption = d[caption_col][i]
+            src = d["url"][i] if "url" in d and d["url"][i] else f"{path.name}#{n}"
+            yield Item(src, image_bytes=img, caption=caption.strip() if caption else None,
+                       nsfw=d["NSFW"][i] if "NSFW" in d else None,
+                       error=None if img else "no image bytes" if caption else "missing caption")
+            n += 1
+
+
+# ---- prepare ------------------------------------------------------------------------------
+
+@dataclass
+class PrepareSummary:
+    out: Path
+    shards_written: int = 0
+    shards_resumed: int = 0
+    rows: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def format(self) -> str:
+        lines = [f"{self.out}: {self.rows} rows in {self.shards_written + self.shards_resumed} shards "
+                 f"({self.shards_written} written now, {self.shards_resumed} already done)"]
+        if self.skipped:
+            lines.append(f"skipped {sum(self.skipped.values())} items:")
+            lines += [f"  {n:6d}  {reason}" for reason, n in self.skipped.most_common()]
+        else:
+            lines.append("skipped nothing")
+        return "\n".join(lines)
+
+
+def prepare_shards(source, out_dir, tokenizer, *, split: str = "train", shard_size: int = 5000, batch_size: int = 64,
+                   nsfw_default: str = "UNLIKELY", progress: bool = True, stop_after_shards: int | None = None,
+                   items: tuple[Iterator[Item], int | None] | None = None) -> PrepareSummary:
+    """Encode images + captions from ``source`` into shards under ``out_dir`` (see the module docstring).
+
+    ``stop_after_shards`` stops early as an interrupt would (tests use it); ``items`` replaces
+    ``source`` with ready-made items (the demo data uses it to skip writing PNG files).
+    """
+    from tqdm import tqdm
+
+    from crowdtrain.data.image_tokenizer import tokenizer_digest
+
+    if shard_size <= 0:
+        raise ValueError("--shard-size must be positive")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / MANIFEST
+    digest = tokenizer_digest(tokenizer)
+    h, w = tokenizer.grid_size
+    manifest = {"format": FORMAT, "image_tokenizer": {"kind": tokenizer.kind, "digest": digest, "grid": [h, w],
+                                                      "vocab_size": tokenizer.vocab_size,
+                                                      "image_size": tokenizer.image_size},
+                "splits": {}}
+    if manifest_path.exists():
+        old = json.loads(manifest_path.read_text())
+        if old.get("image_tokenizer", {}).get("digest") != digest:
+            raise ValueError(f"{out} holds shards made with another image tokenizer "
+                             f"({old.get('image_tokenizer')}); use a new --out folder")
+        manifest["splits"] = old.get("splits", {})
+    done = {s["index"]: s for s in manifest["splits"].get(split, [])
+            if s.get("shard_size") == shard_size and (out / s["file"]).exists()}
+    summary = PrepareSummary(out)
+    for s in done.values():
+        summary.shards_resumed += 1
+        summary.rows += s["rows"]
+        summary.skipped.update(s["skipped"])
+    if done:
+        logger.info("resuming: %d finished shard(s) of %s in %s", len(done), split, out)
+
+    item_iter, total = items if items is not None else iter_items(source)
+    bar = tqdm(total=total, desc=f"prepare {split}", unit="img", disable=not progress)
+    index, buffer = 0, []
+
+    def finish_shard(index: int, buffer: list[Item]) -> None:
+        if index in done:
+            return
+        rows, skipped = _encode_items(buffer, tokenizer, batch_size=batch_size, nsfw_default=nsfw_default)
+        name = f"{split}-{index:05d}.parquet"
+        n = write_shard(out / name, rows)
+        entry = {"index": index, "file": name, "rows": n, "skipped": dict(skipped), "shard_size": shard_size}
+        entries = [e for e in manifest["splits"].get(split, []) if e["index"] != index] + [entry]
+        manifest["splits"][split] = sorted(entries, key=lambda e: e["index"])
+        _write_json(manifest_path, manifest)
+        summary.shards_written += 1
+        summary.rows += n
+        summary.skipped.update(skipped)
+
+    for item in item_iter:
+        buffer.append(item)
+        if len(buffer) == shard_size:
+            finish_shard(index, buffer)
+            bar.update(len(buffer))
+            index, buffer = index + 1, []
+            if stop_after_shards is not None and summary.shards_written >= stop_after_shards:
+                bar.close()
+                return summary
+    if buffer:
+        finish_shard(index, buffer)
+        bar.update(len(buffer))
+    bar.close()
+    return summary
+
+
+def _encode_items(items: list[Item], tokenizer, *, batch_size: int, nsfw_default: str):
+    from PIL import Image
+
+    from crowdtrain.data.vq_train import fit_image
+
+    rows = {c: [] for c in COLUMNS}
+    skipped: Counter = Counter()
+    ready = []  # (item, fitted image, original size)
+    for item in items:
+        if item.error:
+            skipped[item.error] += 1
+            continue
+        if not item.caption:
+            skipped["empty caption"] += 1
+            continue
+        if item.image is not None:
+            ready.append((item, np.asarray(fit_image(Image.fromarray(item.image), tokenizer.image_size)),
+                          (item.image.shape[1], item.image.shape[0])))
+            continue
+        try:
+            src = item.image_path if item.image_path is not None else io.BytesIO(item.image_bytes)
+            with Image.open(src) as im:
+                im.load()
+                size = im.size
+                fitted = np.asarray(fit_image(im, tokenizer.image_size))
+        except Exception as e:  # PIL raises many types for broken files
+            skipped[f"unreadable image ({type(e).__name__})"] += 1
+            logger.debug("skipping %s: %s", item.source, e)
+            continue
+        ready.append((item, fitted, size))
+    for i in range(0, len(ready), batch_size):
+        chunk = ready[i: i + batch_size]
+        codes = tokenizer.encode(np.stack([f for _, f, _ in chunk])).cpu().numpy()
+        for (item, _, (w, h)), c in zip(chunk, codes):
+            rows["caption"].append(item.caption)
+            rows["code"].append(codes_to_bytes(c))
+            rows["original_width"].append(w)
+            rows["original_height"].append(h)
+            rows["NSFW"].append(item.nsfw or nsfw_default)
+            rows["url"].append(item.source)
+    return rows, skipped
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def read_manifest(directory) -> dict | None:
+    p = Path(directory) / MANIFEST
+    return json.loads(p.read_text()) if p.exists() else None

@@ -1,0 +1,134 @@
+"""`data prepare`: inputs (folder, webdataset tar, parquet), shard layout, resume, skip summary."""
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from tests._data_helpers import codes_of, random_vq, shard_rows
+from crowdtrain.data import shapes
+from crowdtrain.data.image_tokenizer import load_image_tokenizer
+from crowdtrain.data.shards import COLUMNS, codes_to_bytes, prepare_shards
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def vq_path(tmp_path_factory):
+    return random_vq(tmp_path_factory.mktemp("vq") / "vq.safetensors")
+
+
+def _folder(tmp_path, num=25):
+    d = tmp_path / "images"
+    shapes.write_shapes_folder(d, num=num, seed=1, progress=False)
+    # Three broken inputs, one of each kind of skip.
+    (d / "000003.txt").unlink()  # missing caption
+    (d / "000004.txt").write_text("   \n")  # empty caption
+    (d / "000005.png").write_bytes(b"not a png at all")  # unreadable image
+    return d
+
+
+def test_prepare_folder_layout_codes_and_summary(tmp_path, vq_path):
+    src = _folder(tmp_path)
+    tok = load_image_tokenizer(vq_path)
+    summary = prepare_shards(src, tmp_path / "out", tok, shard_size=10, progress=False)
+    assert summary.rows == 22 and summary.shards_written == 3
+    assert summary.skipped == {"missing caption (.txt)": 1, "empty caption": 1, "unreadable image (UnidentifiedImageError)": 1}
+    text = summary.format()
+    assert "skipped 3 items" in text and "unreadable image" in text
+    files = sorted((tmp_path / "out").glob("train-*.parquet"))
+    assert [f.name for f in files] == ["train-00000.parquet", "train-00001.parquet", "train-00002.parquet"]
+    pf = pq.ParquetFile(files[0])
+    assert pf.schema_arrow.names == list(COLUMNS)
+    assert pf.metadata.row_group(0).column(1).compression == "BROTLI"
+    rows = shard_rows(tmp_path / "out")
+    first = rows[0]
+    assert first["url"] == "000000.png" and first["NSFW"] == "UNLIKELY"
+    assert (first["original_width"], first["original_height"]) == (64, 64)
+    assert first["caption"] == (src / "000000.txt").read_text().strip()
+    image = np.asarray(Image.open(src / "000000.png"))
+    expected = tok.encode(image[None])[0]
+    assert len(first["code"]) == 64 * 2  # 8x8 int16
+    assert codes_of(first["code"]) == tuple(expected.flatten().tolist())
+    manifest = json.loads((tmp_path / "out" / "shards.json").read_text())
+    assert manifest["image_tokenizer"]["grid"] == [8, 8] and len(manifest["splits"]["train"]) == 3
+
+
+def test_prepare_resumes_after_interrupt(tmp_path, vq_path):
+    src = _folder(tmp_path)
+    tok = load_image_tokenizer(vq_path)
+    out = tmp_path / "out"
+    first = prepare_shards(src, out, tok, shard_size=10, progress=False, stop_after_shards=1)
+    assert first.shards_written == 1
+    done = out / "train-00000.parquet"
+    mtime = done.stat().st_mtime_ns
+    (out / "train-00001.parquet.tmp").write_bytes(b"half-written")  # what a kill leaves behind
+    second = prepare_shards(src, out, tok, shard_size=10, progress=False)
+    assert second.shards_resumed == 1 and second.shards_written == 2
+    assert done.stat().st_mtime_ns == mtime  # not redone
+    assert second.rows == 22 and sum(second.skipped.values()) == 3  # summary covers the resumed shard too
+    fresh = prepare_shards(src, tmp_path / "fresh", tok, shard_size=10, progress=False)
+    assert shard_rows(out) == shard_rows(tmp_path / "fresh")
+    assert fresh.rows == second.rows
+    # A different tokenizer must not be mixed into the same folder.
+    other = load_image_tokenizer(random_vq(tmp_path / "other.safetensors", seed=1))
+    with pytest.raises(ValueError, match="another image tokenizer"):
+        prepare_shards(src, out, other, shard_size=10, progress=False)
+
+
+def test_prepare_webdataset_tar(tmp_path, vq_path):
+    tar_path = tmp_path / "data.tar"
+    samples = list(shapes.generate_samples(6, seed=2))
+    with tarfile.open(tar_path, "w") as tar:
+        for i, (image, caption, _) in enumerate(samples):
+            buf = io.BytesIO()
+            Image.fromarray(image).resize((96, 80)).save(buf, format="JPEG")
+            members = {f"s{i:03d}.jpg": buf.getvalue()}
+            if i == 1:
+                members[f"s{i:03d}.json"] = json.dumps({"caption": caption, "NSFW": "UNSURE"}).encode()
+            elif i != 2:  # sample 2 has no caption at all
+                members[f"s{i:03d}.txt"] = caption.encode()
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    summary = prepare_shards(tar_path, tmp_path / "out", load_image_tokenizer(vq_path), progress=False)
+    assert summary.rows == 5 and summary.skipped == {"missing caption": 1}
+    rows = shard_rows(tmp_path / "out")
+    assert [r["caption"] for r in rows] == [samples[i][1] for i in (0, 1, 3, 4, 5)]
+    assert rows[1]["NSFW"] == "UNSURE" and rows[0]["NSFW"] == "UNLIKELY"
+    assert (rows[0]["original_width"], rows[0]["original_height"]) == (96, 80)  # size before resizing
+    assert rows[0]["url"] == "data.tar/s000"
+
+
+def test_prepare_parquet_of_image_bytes_via_cli(tmp_path, vq_path, capsys):
+    samples = list(shapes.generate_samples(5, seed=3))
+    images = []
+    for image, _, _ in samples:
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, format="PNG")
+        images.append({"bytes": buf.getvalue(), "path": None})
+    images[4] = {"bytes": b"\x89PNG broken", "path": None}
+    table = pa.table({"image": images, "caption": [c for _, c, _ in samples]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    from crowdtrain.cli import main
+
+    rc = main(["data", "prepare", "--input", str(tmp_path / "in.parquet"), "--out", str(tmp_path / "out"),
+               "--image-tokenizer", str(vq_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "4 rows" in out and "unreadable image" in out
+    rows = shard_rows(tmp_path / "out")
+    assert [r["caption"] for r in rows] == [c for _, c, _ in samples[:4]]
+
+
+def test_codes_bytes_are_little_endian_int16():
+    blob = codes_to_bytes(np.array([[1, 8191], [256, 0]]))
+    assert blob == b"\x01\x00\xff\x1f\x00\x01\x00\x00"
+    with pytest.raises(ValueError):
+        codes_to_bytes(np.array([40000]))

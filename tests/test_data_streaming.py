@@ -1,0 +1,245 @@
+"""Streaming shards into model batches: local, HTTP with Range, bad shards, seeds, filters, epochs."""
+
+import http.server
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests._data_helpers import codes_of, make_shards, random_vq, shard_rows
+from crowdtrain.data.config import StreamConfig
+from crowdtrain.data.http_server import serve_directory
+from crowdtrain.data.shards import codes_to_bytes, shard_schema
+from crowdtrain.data.streaming import batch_stream, keep_row, stable_seed
+from crowdtrain.data.tokenizers import train_text_tokenizer
+from crowdtrain.model.config import get_preset
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = get_preset("tiny", text_len=16, text_vocab_size=128, image_vocab_size=512)
+SMALL_BUFFER = StreamConfig(shuffle_buffer=16, http_timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    make_shards(d, random_vq(d / "vq.safetensors"), num=40, shard_size=20)
+    return d
+
+
+@pytest.fixture(scope="module")
+def text_tok(shards):
+    return train_text_tokenizer([r["caption"] for r in shard_rows(shards)], vocab_size=128)
+
+
+def _stream(source, text_tok, seed_key="peer-a", batch_size=8, config=SMALL_BUFFER):
+    return batch_stream(source, text_tokenizer=text_tok, model_config=CONFIG, batch_size=batch_size,
+                        seed_key=seed_key, config=config)
+
+
+def test_batches_match_shards_and_epochs_reshuffle(shards, text_tok):
+    rows = shard_rows(shards)
+    # (codes, token ids) of every row: an untrained tokenizer may give two images the same codes.
+    expected = Counter((codes_of(r["code"]), tuple(text_tok.encode_batch([r["caption"]], 16)[0].tolist()))
+                       for r in rows)
+    stream = _stream(shards, text_tok)
+    epochs = []
+    for _ in range(2):
+        seen = []
+        for _ in range(5):  # 40 rows / 8 per batch = one epoch
+            batch = next(stream)
+            assert batch["text"].shape == (8, 16) and batch["image"].shape == (8, 64)
+            assert batch["text"].dtype == batch["image"].dtype == __import__("torch").long
+            seen += [(tuple(i.tolist()), tuple(t.tolist())) for i, t in zip(batch["image"], batch["text"])]
+        epochs.append(seen)
+    assert Counter(epochs[0]) == expected == Counter(epochs[1])  # each epoch: every row once, with its caption
+    assert epochs[0] != epochs[1]  # reshuffled
+    assert stream.epoch >= 1 and stream.stats.shards_failed == 0
+
+
+def test_seed_key_is_stable_across_processes(shards, text_tok):
+    first = next(_stream(shards, text_tok, "peer-a"))["image"]
+    assert next(_stream(shards, text_tok, "peer-a"))["image"].equal(first)
+    assert not next(_stream(shards, text_tok, "peer-b"))["image"].equal(first)
+    code = ("from crowdtrain.data.streaming import stable_seed; print(stable_seed('peer-a'))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONHASHSEED": str(s)}).stdout.strip() for s in (1, 2)}
+    assert outs == {str(stable_seed("peer-a"))}
+
+
+def test_paper_filters(tmp_path, text_tok):
+    code = codes_to_bytes(list(range(64)))
+    rows = [
+        {"caption": "a small red circle on the left", "code": code, "original_width": 64, "original_height": 64,
+         "NSFW": "UNLIKELY", "url": "keep"},
+        {"caption": "ok", "code": code, "original_width": 64, "original_height": 64, "NSFW": "UNLIKELY", "url": "short"},
+        {"caption": "a wide picture", "code": code, "original_width": 300, "original_height": 100, "NSFW": "UNLIKELY",
+         "url": "wide"},
+        {"caption": "a flagged picture", "code": code, "original_width": 64, "original_height": 64, "NSFW": "NSFW",
+         "url": "unsafe"},
+        {"caption": "an unsure picture", "code": code, "original_width": 64, "original_height": 64, "NSFW": "UNSURE",
+         "url": "unsure"},
+    ]
+    assert [keep_row(r) for r in rows] == [True, False, False, False, False]
+    assert keep_row({**rows[0], "original_width": 128, "original_height": 64})  # ratio exactly 2 stays
+    pq.write_table(pa.Table.from_pylist(rows, schema=shard_schema()), tmp_path / "train-00000.parquet",
+                   compression="brotli")
+    stream = _stream(tmp_path, text_tok, batch_size=3)
+    batch = next(stream)
+    assert (batch["image"] == batch["image"][0]).all()  # the one kept row, three times (3 epochs)
+    assert stream.epoch >= 2
+
+
+def _corrupt_folder(src, dst):
+    """Copy two good shards and add a truncated one and a garbage one, all in the manifest."""
+    dst.mkdir()
+    good = sorted(src.glob("train-*.parquet"))
+    for f in good:
+        (dst / f.name).write_bytes(f.read_bytes())
+    data = good[0].read_bytes()
+    (dst / "train-00002.parquet").write_bytes(data[: len(data) // 2])  # truncated
+    (dst / "train-00003.parquet").write_bytes(b"PAR1" + os.urandom(3000) + b"PAR1")  # corrupted
+    manifest = json.loads((src / "shards.json").read_text())
+    manifest["splits"]["train"] += [{"index": i, "file": f"train-{i:05d}.parquet", "rows": 20, "skipped": {},
+                                     "shard_size": 20} for i in (2, 3)]
+    (dst / "shards.json").write_text(json.dumps(manifest))
+    return dst
+
+
+@pytest.mark.parametrize("over_http", [False, True])
+def test_bad_shards_are_skipped_logged_once_and_counted(shards, text_tok, tmp_path, caplog, over_http):
+    folder = _corrupt_folder(shards, tmp_path / "bad")
+    server = serve_directory(folder) if over_http else None
+    try:
+        caplog.set_level(logging.ERROR, logger="crowdtrain.data.streaming")
+        stream = _stream(server.url if server else folder, text_tok, batch_size=8)
+        images = [tuple(x.tolist()) for _ in range(10) for x in next(stream)["image"]]  # two epochs
+        good = Counter(codes_of(r["code"]) for r in shard_rows(shards))
+        assert Counter(images) == Counter({k: 2 * v for k, v in good.items()})  # only good rows, each once per epoch
+        assert stream.stats.shards_failed == 2
+        assert sorted(s.rsplit("/", 1)[-1] for s, _ in stream.stats.bad_shards) == ["train-00002.parquet",
+                                                                                      "train-00003.parquet"]
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2 and all("skipping shard" in r.getMessage() for r in errors)
+    finally:
+        if server:
+            server.close()
+
+
+def test_all_shards_bad_raises_instead_of_hanging(tmp_path, text_tok):
+    (tmp_path / "train-00000.parquet").write_bytes(b"garbage")
+    stream = _stream(tmp_path, text_tok)
+    t0 = time.time()
+    with pytest.raises(ValueError, match="no usable rows"):
+        next(stream)
+    assert time.time() - t0 < 30
+
+
+def test_stalled_server_times_out_and_skips(shards, text_tok):
+    """A shard whose server stops answering is skipped after http_timeout_s, not waited on forever."""
+    files = {p.name: p.read_bytes() for p in shards.iterdir() if p.suffix in (".parquet", ".json")}
+    manifest = json.loads(files["shards.json"])
+    manifest["splits"]["train"].append({"index": 9, "file": "train-00009.parquet", "rows": 20, "skipped": {}})
+    files["shards.json"] = json.dumps(manifest).encode()
+    stop = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_HEAD(self):
+            name = self.path.lstrip("/")
+            if name == "train-00009.parquet":
+                stop.wait(20)  # never answers in time
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(files[name])))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+
+        def do_GET(self):
+            name = self.path.lstrip("/")
+            data = files[name]
+            rng = self.headers.get("Range")
+            if rng:
+                a, b = rng.split("=")[1].split("-")
+                data = data[int(a): int(b) + 1]
+                self.send_response(206)
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/"
+        stream = _stream(url, text_tok, config=StreamConfig(shuffle_buffer=16, http_timeout_s=1.0))
+        t0 = time.time()
+        batches = [next(stream) for _ in range(5)]
+        assert time.time() - t0 < 20
+        assert stream.stats.shards_failed == 1 and "train-00009" in stream.stats.bad_shards[0][0]
+        assert sum(len(b["image"]) for b in batches) == 40
+    finally:
+        stop.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_range_server(tmp_path):
+    data = bytes(range(256)) * 4
+    (tmp_path / "f.bin").write_bytes(data)
+    (tmp_path.parent / "secret.txt").write_text("no")
+    with serve_directory(tmp_path) as server:
+        def get(path, rng=None, method="GET"):
+            req = urllib.request.Request(server.url + path, method=method, headers={"Range": rng} if rng else {})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    return r.status, dict(r.headers), r.read()
+            except urllib.error.HTTPError as e:
+                return e.code, dict(e.headers), b""
+
+        status, headers, body = get("f.bin")
+        assert status == 200 and body == data and headers["Accept-Ranges"] == "bytes"
+        status, headers, body = get("f.bin", "bytes=10-19")
+        assert status == 206 and body == data[10:20] and headers["Content-Range"] == f"bytes 10-19/{len(data)}"
+        assert get("f.bin", "bytes=1000-")[2] == data[1000:]
+        assert get("f.bin", "bytes=-5")[2] == data[-5:]
+        assert get("f.bin", "bytes=1020-5000")[2] == data[1020:]
+        assert get("f.bin", "bytes=5000-")[0] == 416
+        status, headers, body = get("f.bin", method="HEAD")
+        assert status == 200 and headers["Content-Length"] == str(len(data)) and body == b""
+        assert get("../secret.txt")[0] == 404
+        assert get("missing.bin")[0] == 404
+
+
+def test_http_and_local_streams_agree(shards, text_tok):
+    with serve_directory(shards) as server:
+        remote = next(_stream(server.url, text_tok, "peer-x"))
+    local = next(_stream(shards, text_tok, "peer-x"))
+    assert remote["image"].equal(local["image"]) and remote["text"].equal(local["text"])
+
+
+def test_config_mismatch_is_a_clear_error(shards, text_tok):
+    wrong = get_preset("tiny", text_len=16, text_vocab_size=128, image_height=4, image_width=4, image_vocab_size=512)
+    stream = batch_stream(shards, text_tokenizer=text_tok, model_config=wrong, batch_size=4, seed_key="p")
+    with pytest.raises(ValueError, match="64 codes per image but the model expects 16"):
+        next(stream)
+    with pytest.raises(ValueError, match="text_vocab_size"):
+        batch_stream(shards, text_tokenizer=text_tok, model_config=get_preset("tiny", text_vocab_size=8,
+                                                                              image_vocab_size=512),
+                     batch_size=4, seed_key="p")
+    with pytest.raises(FileNotFoundError):
+        batch_stream("/no/such/folder/x/y/z", text_tokenizer=text_tok, model_config=CONFIG, batch_size=4, seed_key="p")
