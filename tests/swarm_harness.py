@@ -100,10 +100,18 @@ class Swarm:
             raise TimeoutError(f"{name} did not finish in {timeout}s:\n{self.log(name)[-3000:]}") from e
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (as Ctrl-C does) and wait for it to end."""
         proc = self.procs[name]
         if proc.poll() is None:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=60)
+            proc.wait(timeout=150)  # a clean leave is bounded by about 105 s (crowdtrain.swarm.peer)
+
+    def interrupt_all(self, names, timeout: float = 150.0) -> dict[str, int]:
+        """Ctrl-C to several peers at once (each to its whole process group); their exit codes."""
+        for name in names:
+            if self.procs[name].poll() is None:
+                os.killpg(self.procs[name].pid, signal.SIGINT)
+        return {name: self.wait_exit(name, timeout) for name in names}
 
     def close(self) -> None:
         for name, proc in self.procs.items():

@@ -90,6 +90,7 @@ def test_service_answers_503_until_the_first_peer_is_up_then_serves_the_run(run_
     assert client.get("/api/checkpoints").json()[0]["epoch"] == 5
     assert client.get("/checkpoints/step-0000005/model.safetensors").content == b"weights"
     assert client.get("/checkpoints/step-0000005/notes.txt").status_code == 404
+    assert client.get("/memcalc").status_code == 200, "the memory calculator is part of the run's site"
 
 
 def test_shards_are_served_with_range_requests_and_no_path_traversal(run_dir):

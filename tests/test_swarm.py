@@ -54,22 +54,27 @@ def test_three_unequal_peers_train_one_model(swarm_factory):
     epochs = 10
     # Unequal peers: different batch sizes and a slower device.
     swarm.join("a", batch_size=16, max_epochs=epochs)
-    swarm.join("b", batch_size=8, max_epochs=epochs)
+    swarm.join("b", batch_size=8, max_epochs=epochs, extra=["--inject-fault", "nan-every=4"])
     swarm.join("c", batch_size=4, max_epochs=epochs, extra=["--simulated-step-s", "0.3"])
     for name in "abc":
         assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
     summaries = {n: swarm.summary(n) for n in "abc"}
     finals = {n: s["final_epoch"] for n, s in summaries.items()}
     assert min(finals.values()) >= epochs and max(finals.values()) - min(finals.values()) <= 1, finals
+    # b's NaN gradients were dropped, never sent: the others' parameters stay finite and agree.
+    assert summaries["b"]["dropped_batches"] >= 3
     # Everyone contributed, the big batch most.
     assert all(s["samples"] > 0 for s in summaries.values())
     assert summaries["a"]["samples"] > summaries["c"]["samples"]
     # Parameters agree after averaging (fp16 on the wire for tiny tensors), the loss went down.
+    # a and b leave together, after averaging with the same rounds: they hold the same model. The
+    # slow client may finish its last epoch after they left (alone, from the coordinator's
+    # checkpoint), so it may be one optimizer update away from them, no more.
     params = {n: load_file(str(swarm.tmp / f"{n}.safetensors")) for n in "abc"}
     for key, ref in params["a"].items():
-        for other in "bc":
-            diff = (params[other][key] - ref).abs().max().item()
-            assert diff < 2e-2 * max(1.0, ref.abs().max().item()), (key, other, diff)
+        scale = max(1.0, ref.abs().max().item())
+        assert (params["b"][key] - ref).abs().max().item() < 1e-2 * scale, key
+        assert (params["c"][key] - ref).abs().max().item() < 5e-2 * scale, key
     start = initial_loss()
     assert eval_loss(swarm.tmp / "a.safetensors") < start - 0.15, (start, eval_loss(swarm.tmp / "a.safetensors"))
     # Most averaging rounds included every live peer.
@@ -112,29 +117,38 @@ def test_two_peers_reach_the_loss_of_one_peer_with_the_same_global_batch(swarm_f
 def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
     swarm = swarm_factory(swarm={"checkpoint_every_epochs": 2})
     first = swarm.start_coordinator()
-    target = 14
-    swarm.join("a", batch_size=16, max_epochs=target)
-    swarm.join("b", batch_size=16, max_epochs=target)
-    swarm.join("victim", batch_size=16, max_epochs=target)
+    for name in ("a", "b", "victim"):
+        swarm.join(name, batch_size=16, max_epochs=1000)
     swarm.wait_epoch(3, 180)
     swarm.kill("victim")  # SIGKILL mid-run: the others go on within one averaging timeout
     killed_at = swarm.status()["epoch"]
     swarm.wait_epoch(killed_at + 2, 30 + 90)
-    swarm.join("newcomer", batch_size=16, max_epochs=target)
+
+    # The newcomer is behind NAT: client mode, outbound connections only.
+    swarm.join("newcomer", batch_size=16, max_epochs=1000, extra=["--client-mode"])
+    deadline = time.monotonic() + 180
+    while "joined run" not in swarm.log("newcomer"):
+        assert time.monotonic() < deadline, swarm.log("newcomer")[-3000:]
+        time.sleep(1)
     swarm.wait_epoch(killed_at + 4, 180)
 
     swarm.kill("coordinator", signal.SIGTERM)
     restarted = swarm.start_coordinator()
     assert restarted["coordinator_peer_id"] == first["coordinator_peer_id"], "identity survives a restart"
-    for name in ("a", "b", "newcomer"):
-        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    # The restarted coordinator finds the running swarm again and sees it progress.
+    at_restart = swarm.wait_epoch(0, 120)["epoch"]
+    swarm.wait_epoch(at_restart + 3, 240)
+    assert swarm.status()["last_checkpoint_epoch"] > killed_at
+
+    codes = swarm.interrupt_all(["a", "b", "newcomer"])  # Ctrl-C: every peer leaves cleanly
+    assert codes == {"a": 0, "b": 0, "newcomer": 0}, {n: swarm.log(n)[-2000:] for n in codes}
     summaries = {n: swarm.summary(n) for n in ("a", "b", "newcomer")}
-    assert all(s["final_epoch"] >= target for s in summaries.values()), {n: s["final_epoch"] for n, s in summaries.items()}
+    finals = [s["final_epoch"] for s in summaries.values()]
+    assert max(finals) - min(finals) <= 1 and min(finals) >= at_restart + 3, finals
     newcomer = summaries["newcomer"]
     assert newcomer["joined_epoch"] >= killed_at, "the newcomer downloaded the current state"
     assert newcomer["samples"] > 0 and "first_epoch_s" in newcomer
-    # The restarted coordinator sees the peers again and keeps checkpointing.
-    assert swarm.status()["last_checkpoint_epoch"] >= target - 2
+    assert newcomer["config"]["client_mode"] and newcomer["maddrs"] == [], "a client accepts no connections"
 
 
 def test_a_peer_with_a_different_model_is_refused(swarm_factory):

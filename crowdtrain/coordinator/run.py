@@ -123,7 +123,8 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     shards_dir = resolve_shards(config)
     spec = build_spec(config, shards_dir)
     (run_dir / "coordinator.json").write_text(json.dumps(spec, indent=2))
-    (run_dir / "run.json").unlink(missing_ok=True)
+    for stale in ("run.json", "status.json"):  # from a previous start: the new aux peer rewrites them
+        (run_dir / stale).unlink(missing_ok=True)
     log = open(run_dir / "aux.log", "a")
     aux = subprocess.Popen([sys.executable, "-m", "crowdtrain.swarm.aux_peer", str(run_dir)], stdout=log,
                            stderr=subprocess.STDOUT)

@@ -36,9 +36,12 @@ def _inside(root: Path, relative: str) -> Path:
 
 def create_app(run_dir: str | Path, *, shards_dir: str | Path | None = None,
                text_tokenizer: str | Path | None = None) -> FastAPI:
+    from crowdtrain.memcalc.web import create_router as memcalc_router
+
     run_dir = Path(run_dir)
     app = FastAPI(title="crowdtrain coordinator",
                   description="Join information, live status, metrics, shards and checkpoints of one run.")
+    app.include_router(memcalc_router("/memcalc"))  # the memory calculator page, for volunteers sizing a GPU
 
     def join_info() -> dict:
         info = _read_json(run_dir / "run.json")
@@ -114,6 +117,7 @@ def create_app(run_dir: str | Path, *, shards_dir: str | Path | None = None,
                 f"<p>Global epoch {status.get('epoch', 0)}, {len(status.get('peers', []))} active peers.</p>"
                 "<p>Join with <code>crowdtrain join URL-OF-THIS-PAGE</code>. "
                 "JSON: <a href='/api/status'>status</a>, <a href='/api/metrics'>metrics</a>, "
-                "<a href='/api/checkpoints'>checkpoints</a>, <a href='/docs'>API docs</a>.</p>")
+                "<a href='/api/checkpoints'>checkpoints</a>, <a href='/docs'>API docs</a>. "
+                "Will it fit your GPU? <a href='/memcalc'>Memory calculator</a>.</p>")
 
     return app

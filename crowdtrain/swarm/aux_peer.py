@@ -61,8 +61,10 @@ class AuxPeer:
         self.checkpoint_dir = Path(spec["checkpoint_dir"])
         self.keep = int(spec.get("keep_checkpoints", 3))
         validators, self.signer = swarm_metrics.make_validators(self.swarm.run_id)
-        self.dht = hivemind.DHT(host_maddrs=[f"/ip4/{spec['dht_host']}/tcp/{spec['dht_port']}"],
-                                identity_path=spec["identity"], record_validators=validators, start=True)
+        # After a restart, rejoin the swarm through the peers seen last time; alone otherwise.
+        known = json.loads((run_dir / "known_peers.json").read_text()) if (run_dir / "known_peers.json").is_file() else {}
+        initial_peers = [m for maddrs in known.values() for m in maddrs]
+        self.dht = self._start_dht(spec, validators, initial_peers)
         self.model = DalleTransformer(self.model_config)
         compression = PaperCompression(self.swarm.compression_threshold)
         self.averager = TrainingStateAverager(
@@ -74,6 +76,19 @@ class AuxPeer:
         self.last_checkpoint_epoch = self._resume()
         self.seen: dict[str, float] = {}
         self.stop = threading.Event()
+
+    @staticmethod
+    def _start_dht(spec: dict, validators: list, initial_peers: list[str]) -> hivemind.DHT:
+        kwargs = dict(host_maddrs=[f"/ip4/{spec['dht_host']}/tcp/{spec['dht_port']}"], identity_path=spec["identity"],
+                      record_validators=validators, start=True)
+        if initial_peers:
+            try:
+                dht = hivemind.DHT(initial_peers=initial_peers, ensure_bootstrap_success=False, **kwargs)
+                logger.info("rejoined the swarm through %d known peer addresses", len(initial_peers))
+                return dht
+            except Exception as e:  # nobody from last time is online: start the swarm anew
+                logger.info("no known peer answered (%s); starting as the first peer", str(e).splitlines()[0])
+        return hivemind.DHT(**kwargs)
 
     def _resume(self) -> int:
         path = latest_checkpoint(self.checkpoint_dir)
@@ -95,7 +110,7 @@ class AuxPeer:
         return epoch
 
     def announce(self) -> None:
-        maddrs = [str(m) for m in self.dht.get_visible_maddrs(latest=True)]
+        maddrs = [str(m) for m in self.dht.get_visible_maddrs()]  # fixed host and port: no refresh needed
         join = {
             "run_id": self.swarm.run_id,
             "fingerprint": architecture_fingerprint(self.model_config),
@@ -117,6 +132,9 @@ class AuxPeer:
                     f.write(json.dumps(r.dict()) + "\n")
                     self.seen[r.peer_id] = r.time
         live = [r for r in records if time.time() - r.time < 60]
+        reachable = {r.peer_id: r.maddrs for r in live if r.maddrs}
+        if reachable:
+            write_json_atomic(self.run_dir / "known_peers.json", reachable)
         epoch = max([r.epoch for r in live], default=self.averager.local_epoch)
         write_json_atomic(self.run_dir / "status.json", {
             "epoch": epoch, "peers": [r.dict() for r in live], "updated": time.time(),

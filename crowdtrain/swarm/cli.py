@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--save-final", default=None, help="save the final parameters (safetensors) here")
     p.add_argument("--model", action="append", metavar="KEY=VALUE",
                    help="override the run's model config (only to test that a different model is refused)")
+    p.add_argument("--inject-fault", default=None, metavar="nan-every=K",
+                   help="testing aid: make every K-th local gradient NaN, to check it is never sent")
     p.set_defaults(handler=_join)
 
 
@@ -39,6 +41,6 @@ def _join(args) -> int:
         client_mode=args.client_mode, host=args.host, max_epochs=args.max_epochs, max_minutes=args.minutes,
         user=args.user, simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
         summary_file=args.summary_file, save_final=args.save_final,
-        model_overrides=parse_overrides(args.model, flag="--model"), verbose=args.verbose)
+        model_overrides=parse_overrides(args.model, flag="--model"), fault=args.inject_fault, verbose=args.verbose)
     run_volunteer(config)
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict
+from typing import Dict, List
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -34,6 +34,9 @@ class PeerMetrics(pydantic.BaseModel):
     swarm_peers: pydantic.conint(ge=0, strict=True)  # peers reporting progress at that round
     fingerprint: pydantic.StrictStr
     user: pydantic.StrictStr = "anonymous"
+    # Where this peer accepts connections (empty in client mode): a restarted coordinator
+    # bootstraps its DHT from these instead of starting alone.
+    maddrs: List[pydantic.StrictStr] = []
 
 
 class MetricsSchema(pydantic.BaseModel):

@@ -8,6 +8,7 @@ from peers, streams its data and trains until stopped (Ctrl-C leaves cleanly).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -41,6 +42,8 @@ class VolunteerConfig:
     summary_file: str | None = None  # write a JSON summary here when leaving
     save_final: str | None = None  # write the final parameters (safetensors) here when leaving
     model_overrides: dict = field(default_factory=dict)  # only to test refusal of a different model
+    # Fault injection for tests: "nan-every=K" makes every K-th local loss NaN (its gradients too).
+    fault: str | None = None
     torch_threads: int | None = None
     verbose: bool = False
 
@@ -50,24 +53,33 @@ class VolunteerConfig:
                              f"got {self.coordinator_url!r}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.fault is not None and not (self.fault.startswith("nan-every=") and self.fault[10:].isdigit()
+                                           and int(self.fault[10:]) > 0):
+            raise ValueError(f"--inject-fault takes nan-every=K with K >= 1, got {self.fault!r}")
         if self.client_mode and self.host not in ("0.0.0.0", "127.0.0.1"):
             logger.warning("--host is ignored in --client-mode: client peers accept no connections")
 
 
-def fetch_json(url: str, *, timeout_s: float = 15.0, retries: int = 3) -> dict:
-    last = None
-    for attempt in range(retries):
+def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0) -> dict:
+    """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``."""
+    deadline = time.monotonic() + patience_s
+    delay, last = 1.0, None
+    while True:
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as e:
             if e.code < 500:
                 raise ValueError(f"{url} answered {e.code}: {e.read().decode(errors='replace')[:300]}") from e
-            last = e
+            last = e  # 503 while the run starts: retry
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
             last = e
-        time.sleep(1 + attempt)
-    raise ValueError(f"cannot reach the coordinator at {url} ({last}); check the address and that it is running")
+        if time.monotonic() + delay > deadline:
+            raise ValueError(f"cannot reach the coordinator at {url} ({last}); check the address and that it is "
+                             "running")
+        logger.warning("coordinator not answering (%s); retrying in %.0fs", last, delay)
+        time.sleep(delay)
+        delay = min(2 * delay, 10.0)
 
 
 def download_asset(url: str, sha256: str, cache_dir: Path) -> Path:
@@ -97,11 +109,24 @@ def check_fingerprint(info: dict, model_config) -> None:
             "version the coordinator runs (and drop any model overrides), then join again")
 
 
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Processes started inside (hivemind's DHT and averagers, and the p2p daemon they exec)
+    start with SIGINT blocked; the mask survives fork and exec. Ctrl-C in a terminal signals the
+    whole process group, so without this the daemon would die first and the peer could not
+    leave the swarm cleanly; with it, only this process hears Ctrl-C and shuts them down."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class _Stop:
     """Set by SIGINT/SIGTERM: the loop finishes its step and leaves cleanly."""
 
-    def __init__(self):
-        self.event = threading.Event()
+    def __init__(self, event: threading.Event):
+        self.event = event
         self.owner = os.getpid()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -110,9 +135,12 @@ class _Stop:
                 pass
 
     def _handle(self, signum, frame):
-        if os.getpid() != self.owner:  # a forked hivemind process inherited this handler: default action
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if os.getpid() != self.owner:
+            # A forked hivemind process inherited this handler. Ctrl-C reaches the whole process
+            # group: children ignore it and are shut down by the parent; SIGTERM ends them.
+            if signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
             return
         if self.event.is_set():
             raise KeyboardInterrupt
@@ -146,15 +174,23 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but torch sees no CUDA device; use --device cpu")
-    stop_event = stop or _Stop().event
+    stop_event = stop or threading.Event()
     validators, signer = swarm_metrics.make_validators(swarm.run_id)
-    dht = hivemind.DHT(initial_peers=info["initial_peers"], client_mode=config.client_mode,
-                       host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True)
+    with children_ignore_sigint():
+        dht = hivemind.DHT(initial_peers=info["initial_peers"], client_mode=config.client_mode,
+                           host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True)
     peer_id = str(dht.peer_id)
+    maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]
     model = task.build_model().to(device)
-    optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size, client_mode=config.client_mode,
-                                verbose=config.verbose)
+    with children_ignore_sigint():
+        optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
+                                    client_mode=config.client_mode, verbose=config.verbose)
+    if stop is None:
+        # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
+        # when they start (and never restore it), which would make Ctrl-C do nothing.
+        _Stop(stop_event)
     summary = {"peer_id": peer_id, "user": config.user, "config": asdict(config), "fingerprint": info["fingerprint"],
+               "maddrs": maddrs,
                "epochs": [], "rounds": []}
     try:
         t_join = time.perf_counter()
@@ -166,9 +202,10 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop_event, summary,
                     swarm_metrics, all_finite, autocast_context, t_join)
     finally:
-        # shutdown() waits for the delayed optimizer step and state averaging, so what is saved
-        # below is the state the swarm agreed on, not one step behind.
-        optimizer.shutdown()
+        # Finish the delayed optimizer step (local work), so what is saved is the state the swarm
+        # agreed on, not one step behind; then say goodbye over the network, with a deadline:
+        # after Ctrl-C in a terminal the p2p daemon has already exited and cannot answer.
+        _bounded(lambda: optimizer.state_averager.step(wait_for_delayed_updates=True), 60, "the last optimizer step")
         summary["rounds"] = list(optimizer.rounds)
         summary["final_epoch"] = optimizer.local_epoch
         if config.save_final:
@@ -177,15 +214,25 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
             save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, config.save_final)
         if config.summary_file:
             Path(config.summary_file).write_text(json.dumps(summary, indent=2))
-        dht.shutdown()
+        _bounded(optimizer.shutdown, 30, "leaving the averaging groups")
+        _bounded(dht.shutdown, 15, "stopping the DHT")
     return summary
+
+
+def _bounded(fn, timeout_s: float, what: str) -> None:
+    """Run ``fn`` but give up waiting after ``timeout_s``: leaving must never hang."""
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("%s did not finish within %.0fs; leaving anyway", what, timeout_s)
 
 
 def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop_event, summary, swarm_metrics,
                 all_finite, autocast_context, t_join) -> None:
     batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
     start = time.perf_counter()
-    contributed = steps = 0
+    contributed = steps = dropped = 0
     waited = 0.0
     losses: list[float] = []
     last_report = start
@@ -201,12 +248,15 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         with autocast_context(device, config.precision):
             loss = task.loss(model, batch)
+        if config.fault and (steps + dropped + 1) % int(config.fault.split("=")[1]) == 0:
+            loss = loss * float("nan")
         loss.backward()
         grads = [p.grad for p in model.parameters()]
         if not torch.isfinite(loss) or not all_finite(grads):
             # Never send a non-finite gradient: drop this batch and go on.
             logger.warning("non-finite loss or gradient (loss %s); dropping this batch", loss.item())
             optimizer.zero_grad()
+            dropped += 1
             continue
         t_opt = time.perf_counter()
         optimizer.step()  # blocks only when this peer must wait for the swarm (averaging, state)
@@ -241,7 +291,8 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
                 samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
                 client_mode=config.client_mode, last_round_peers=int(last_round["group_size"]),
                 swarm_peers=int(last_round["swarm_peers"]), fingerprint=summary["fingerprint"],
-                user=config.user))
+                user=config.user, maddrs=summary["maddrs"]))
             epoch_seen, last_report = optimizer.local_epoch, now
     summary.update(samples=contributed, steps=steps, seconds=time.perf_counter() - start, wait_s=waited,
+                   dropped_batches=dropped,
                    loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)
