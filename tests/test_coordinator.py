@@ -96,6 +96,8 @@ def test_service_answers_503_until_the_first_peer_is_up_then_serves_the_run(run_
 def test_shards_are_served_with_range_requests_and_no_path_traversal(run_dir):
     run, shards = run_dir
     client = TestClient(create_app(run, shards_dir=shards))
+    head = client.head("/shards/train-00000.parquet")
+    assert head.status_code == 200 and head.headers["content-length"] == "1024"
     r = client.get("/shards/train-00000.parquet", headers={"Range": "bytes=10-19"})
     assert r.status_code == 206 and r.content == bytes(range(10, 20))
     assert r.headers["content-range"] == "bytes 10-19/1024"
@@ -108,3 +110,33 @@ def test_the_coordinator_side_never_imports_torch():
     code = ("import sys, crowdtrain.coordinator.service, crowdtrain.coordinator.run, crowdtrain.coordinator.cli; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_volunteers_stream_real_shards_from_a_running_coordinator_service(tmp_path):
+    """The real loader against the real service over HTTP: what `crowdtrain join` does."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from crowdtrain.data import batch_stream, default_text_tokenizer, ensure_demo_shards
+    from tests.swarm_harness import free_port
+
+    shards = ensure_demo_shards(tmp_path / "shapes", num_train=200)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(tmp_path / "run", shards_dir=shards), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        cfg = get_preset("demo")
+        batches = batch_stream(f"http://127.0.0.1:{port}/shards", text_tokenizer=default_text_tokenizer(),
+                               model_config=cfg, batch_size=8, seed_key="peer-x")
+        batch = next(batches)
+        assert batch["text"].shape == (8, cfg.text_len) and batch["image"].shape == (8, cfg.image_len)
+        assert int(batch["image"].max()) < cfg.image_vocab_size
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

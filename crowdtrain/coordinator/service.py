@@ -88,7 +88,7 @@ def create_app(run_dir: str | Path, *, shards_dir: str | Path | None = None,
                               "files": sorted(p.name for p in path.iterdir() if p.name in CHECKPOINT_FILES)})
         return found
 
-    @app.get("/checkpoints/{name}/{filename}", summary="Download one file of a checkpoint")
+    @app.api_route("/checkpoints/{name}/{filename}", methods=["GET", "HEAD"], summary="Download one file of a checkpoint")
     def checkpoint_file(name: str, filename: str):
         if filename not in CHECKPOINT_FILES:
             raise HTTPException(404, f"checkpoints hold only {sorted(CHECKPOINT_FILES)}")
@@ -97,7 +97,8 @@ def create_app(run_dir: str | Path, *, shards_dir: str | Path | None = None,
     if shards_dir is not None:
         shards_root = Path(shards_dir)
 
-        @app.get("/shards/{relative:path}", summary="Data shards (HTTP Range supported)")
+        # HEAD too: streaming readers ask a shard's size before reading byte ranges.
+        @app.api_route("/shards/{relative:path}", methods=["GET", "HEAD"], summary="Data shards (HTTP Range supported)")
         def shard(relative: str):
             return FileResponse(_inside(shards_root, relative))
 

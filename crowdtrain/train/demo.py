@@ -86,6 +86,8 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
         end = time.monotonic() + 60 * minutes
         while time.monotonic() < end:
             time.sleep(min(15.0, max(0.0, end - time.monotonic())))
+            if all(proc.poll() is not None for proc in volunteers.values()):
+                raise RuntimeError(f"every volunteer exited early; see the logs in {out / 'logs'}")
             try:
                 status = _get(f"{url}/api/status")
             except OSError:
