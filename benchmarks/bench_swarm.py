@@ -69,6 +69,7 @@ PEERS = [("fast", 16, 0.4), ("medium", 8, 0.4), ("slow", 8, 1.2)]  # name, batch
 
 
 def run_swarm(tmp: Path, peers, epochs: int, target: int) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
     swarm = Swarm(tmp, swarm={"target_batch_size": target, "total_epochs": 1000})
     try:
         swarm.start_coordinator()
@@ -100,6 +101,7 @@ def _full_share(summaries: dict) -> float:
 
 
 def bench_newcomer(tmp: Path) -> dict:
+    (tmp / "newcomer").mkdir(parents=True, exist_ok=True)
     swarm = Swarm(tmp / "newcomer", preset="demo", swarm={"target_batch_size": 256, "total_epochs": 1000})
     try:
         swarm.start_coordinator()
