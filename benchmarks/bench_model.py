@@ -42,10 +42,8 @@ def batch_for(cfg: ModelConfig, batch: int, seed: int = 0):
     return text, image
 
 
-def bench_throughput(name: str, cfg: ModelConfig, batch: int, repeats: int, device: str) -> dict:
-    torch.manual_seed(0)
-    model = DalleTransformer(cfg).to(device)
-    text, image = (t.to(device) for t in batch_for(cfg, batch))
+def make_step(model: DalleTransformer, text: torch.Tensor, image: torch.Tensor, device: str):
+    """One training step (forward, backward, drop the gradients), synchronised on CUDA."""
 
     def step():
         model(text, image).loss.backward()
@@ -53,6 +51,14 @@ def bench_throughput(name: str, cfg: ModelConfig, batch: int, repeats: int, devi
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
+    return step
+
+
+def bench_throughput(name: str, cfg: ModelConfig, batch: int, repeats: int, device: str) -> dict:
+    torch.manual_seed(0)
+    model = DalleTransformer(cfg).to(device)
+    text, image = (t.to(device) for t in batch_for(cfg, batch))
+    step = make_step(model, text, image, device)
     times = {"efficient": [], "dense": []}
     for impl in times:  # warm-up both paths
         model.attention_impl = impl
@@ -114,11 +120,7 @@ def bench_memory(depths: list[int], device: str, batch: int = 8) -> list[dict]:
             torch.manual_seed(0)
             model = DalleTransformer(cfg).to(device)
             text, image = (t.to(device) for t in batch_for(cfg, batch))
-
-            def step():
-                model(text, image).loss.backward()
-                model.zero_grad(set_to_none=True)
-
+            step = make_step(model, text, image, device)
             step()
             row[f"{mode}_mib"] = peak_memory_bytes(step, device=device, track=(model,)) / 2**20
         rows.append(row)

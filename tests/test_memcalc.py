@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from crowdtrain.memcalc import estimate, get_architecture
-from crowdtrain.memcalc.architectures import ACTIVATION_COEFFS, EXTERNAL, PRESETS_JSON
+from crowdtrain.memcalc.architectures import ACTIVATION_COEFFS, PRESETS_JSON
 
 
 def test_memcalc_imports_without_torch():

@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import subprocess
 import sys
 import time

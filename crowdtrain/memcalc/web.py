@@ -8,7 +8,6 @@ JSON API it calls. No torch here: the coordinator's process must not import it.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request

@@ -9,7 +9,6 @@ do not match ``PeerMetrics``. So a peer can only write its own metrics, and only
 from __future__ import annotations
 
 import logging
-import time
 from typing import Dict, List
 
 import hivemind
@@ -77,6 +76,3 @@ def fetch(dht: hivemind.DHT, run_id: str, *, timeout_s: float = 10.0) -> list[Pe
             logger.warning("dropped a malformed metrics record: %s", e)
     return records
 
-
-def now() -> float:
-    return time.time()
