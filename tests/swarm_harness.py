@@ -46,13 +46,13 @@ class Swarm:
         self.procs[name] = proc
         return proc
 
-    def start_coordinator(self, timeout: float = 120.0) -> dict:
+    def start_coordinator(self, timeout: float = 120.0, extra: list[str] = ()) -> dict:
         args = ["coordinator", "--run-id", "test", "--preset", self.preset, "--data", self.data,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dht-host", "127.0.0.1",
                 "--dht-port", str(self.dht_port), "--run-dir", str(self.run_dir), "--swarm-preset", "demo"]
         for k, v in self.swarm.items():
             args += ["--swarm", f"{k}={json.dumps(v)}"]
-        self._spawn("coordinator", args)
+        self._spawn("coordinator", [*args, *extra])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.procs["coordinator"].poll() is not None:

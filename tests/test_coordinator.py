@@ -9,6 +9,7 @@ import torch
 from fastapi.testclient import TestClient
 from hivemind.compression import CompressionInfo, Float16Compression, NoCompression, Uniform8BitQuantization
 
+from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.service import create_app
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
@@ -76,18 +77,21 @@ def run_dir(tmp_path):
     return run, shards
 
 
+def app_for(run, **kwargs):
+    run.mkdir(parents=True, exist_ok=True)
+    return create_app(run, store=Store(default_url(run)), **kwargs)
+
+
 def test_service_answers_503_until_the_first_peer_is_up_then_serves_the_run(run_dir):
     run, shards = run_dir
-    client = TestClient(create_app(run, shards_dir=shards))
+    client = TestClient(app_for(run, shards_dir=shards))
     r = client.get("/api/join")
     assert r.status_code == 503 and "retry" in r.json()["detail"]
     (run / "run.json").write_text(json.dumps({"run_id": "r1", "initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/Qm"]}))
     assert client.get("/api/join").json()["run_id"] == "r1"
     assert client.get("/api/status").json()["epoch"] == 0
-    (run / "metrics.jsonl").write_text('{"peer_id": "a", "loss": 1.0}\n{"peer_id": "b", "lo')  # cut by a crash
-    assert client.get("/api/metrics").json() == [{"peer_id": "a", "loss": 1.0}]
+    assert client.get("/api/metrics").json() == []
     assert client.get("/api/metrics?limit=0").status_code == 422
-    assert client.get("/api/checkpoints").json()[0]["epoch"] == 5
     assert client.get("/checkpoints/step-0000005/model.safetensors").content == b"weights"
     assert client.get("/checkpoints/step-0000005/notes.txt").status_code == 404
     assert client.get("/memcalc").status_code == 200, "the memory calculator is part of the run's site"
@@ -95,7 +99,7 @@ def test_service_answers_503_until_the_first_peer_is_up_then_serves_the_run(run_
 
 def test_shards_are_served_with_range_requests_and_no_path_traversal(run_dir):
     run, shards = run_dir
-    client = TestClient(create_app(run, shards_dir=shards))
+    client = TestClient(app_for(run, shards_dir=shards))
     head = client.head("/shards/train-00000.parquet")
     assert head.status_code == 200 and head.headers["content-length"] == "1024"
     r = client.get("/shards/train-00000.parquet", headers={"Range": "bytes=10-19"})
@@ -124,7 +128,7 @@ def test_volunteers_stream_real_shards_from_a_running_coordinator_service(tmp_pa
 
     shards = ensure_demo_shards(tmp_path / "shapes", num_train=200)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(tmp_path / "run", shards_dir=shards), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(app_for(tmp_path / "run", shards_dir=shards), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

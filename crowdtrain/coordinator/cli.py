@@ -44,7 +44,31 @@ def register(subparsers) -> None:
     p.add_argument("--swarm", action="append", metavar="KEY=VALUE",
                    help="override a swarm setting, e.g. --swarm target_batch_size=1024 (see SwarmConfig)")
     p.add_argument("--model", action="append", metavar="KEY=VALUE", help="override a model preset field")
+    p.add_argument("--db", default=None,
+                   help="SQLAlchemy database URL, e.g. postgresql://user:pw@host/db (default: a SQLite file in "
+                        "RUN_DIR)")
+    p.add_argument("--auth", choices=["open", "allowlist"], default="open",
+                   help="open: anyone may join (each peer still gets its own token); allowlist: only users "
+                        "added with `crowdtrain users add NAME`, who join with --key")
+    p.add_argument("--token-lifetime-s", type=float, default=600.0,
+                   help="lifetime of peers' access tokens: a revoked user's peers are out within this time")
+    p.add_argument("--token-requests-per-minute", type=int, default=120,
+                   help="rate limit on token requests per client address")
+    p.add_argument("--samples-every", type=int, default=1, metavar="N",
+                   help="generate gallery samples from every N-th checkpoint (0: never)")
     p.set_defaults(handler=_coordinator)
+
+    u = subparsers.add_parser(
+        "users", help="manage who may join an allowlist run: add, list, revoke",
+        description="Users of a run and their API keys, stored in the coordinator's database. `add` prints "
+                    "the new key once (only its hash is stored); hand it to the volunteer, who joins with "
+                    "`crowdtrain join URL --key KEY`. `revoke` takes effect within one token lifetime.")
+    u.add_argument("action", choices=["add", "list", "revoke"])
+    u.add_argument("name", nargs="?", help="user name (add, revoke)")
+    u.add_argument("--run-id", default="crowdtrain", help="the run (its folder is runs/RUN_ID unless --run-dir)")
+    u.add_argument("--run-dir", default=None, help="the run folder (default runs/RUN_ID)")
+    u.add_argument("--db", default=None, help="database URL, if the coordinator was started with --db")
+    u.set_defaults(handler=_users)
 
 
 def _coordinator(args) -> int:
@@ -55,5 +79,40 @@ def _coordinator(args) -> int:
         public_host=args.public_host, dht_host=args.dht_host, dht_port=args.dht_port, run_dir=args.run_dir,
         identity=args.identity, checkpoint_dir=args.checkpoint_dir, keep_checkpoints=args.keep_checkpoints,
         swarm_preset=args.swarm_preset, swarm_overrides=parse_overrides(args.swarm, flag="--swarm"),
-        model_overrides=parse_overrides(args.model, flag="--model"))
+        model_overrides=parse_overrides(args.model, flag="--model"), db=args.db, auth=args.auth,
+        token_lifetime_s=args.token_lifetime_s, token_requests_per_minute=args.token_requests_per_minute,
+        samples_every_checkpoints=args.samples_every)
     return run_coordinator(config)
+
+
+def _users(args) -> int:
+    from pathlib import Path
+
+    from crowdtrain.coordinator.db import Store, default_url
+
+    run_dir = Path(args.run_dir or f"runs/{args.run_id}")
+    if args.db is None and not (run_dir / "coordinator.sqlite").is_file() and args.action != "add":
+        raise ValueError(f"no run database at {run_dir / 'coordinator.sqlite'}: pass --run-id or --run-dir of a "
+                         "run (or --db URL)")
+    if args.action in ("add", "revoke") and not args.name:
+        raise ValueError(f"`crowdtrain users {args.action}` needs a user name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(args.db or default_url(run_dir))
+    try:
+        if args.action == "add":
+            key = store.add_user(args.name)
+            print(f"user {args.name} added. Their API key (shown once; store it safely):\n\n    {key}\n\n"
+                  f"They join with: crowdtrain join http://COORDINATOR:PORT --key {key}")
+        elif args.action == "revoke":
+            store.revoke_user(args.name)
+            print(f"user {args.name} revoked: their peers are refused once their current tokens expire")
+        else:
+            users = store.list_users()
+            if not users:
+                print("no users yet: add one with `crowdtrain users add NAME`")
+            for u in users:
+                state = "revoked" if u["revoked"] else ("active" if u["has_key"] else "open-run name, no key")
+                print(f"{u['name']:<24} {state}")
+    finally:
+        store.close()
+    return 0

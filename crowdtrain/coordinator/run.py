@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crowdtrain.coordinator.db import Store, default_url
+from crowdtrain.coordinator.tokens import CoordinatorKey
 from crowdtrain.model.config import get_preset
 from crowdtrain.swarm.config import SwarmConfig, demo_swarm_config
 
@@ -48,8 +50,19 @@ class CoordinatorConfig:
     text_tokenizer: str | None = None  # default: the shipped shapes tokenizer
     image_tokenizer: str | None = None
     startup_timeout_s: float = 180.0
+    db: str | None = None  # SQLAlchemy URL; default: a SQLite file in the run folder
+    auth: str = "open"  # open: anyone joins (still with a per-peer token); allowlist: only users with a key
+    token_lifetime_s: float = 600.0  # a revoked user's peers are out within this time
+    token_requests_per_minute: int = 120  # per client address, on /api/token
+    samples_every_checkpoints: int = 1  # gallery images from every N-th checkpoint (0: never)
 
     def __post_init__(self):
+        if self.auth not in ("open", "allowlist"):
+            raise ValueError(f"--auth must be open or allowlist, got {self.auth!r}")
+        if not 10 <= self.token_lifetime_s <= 7 * 86400:
+            raise ValueError(f"--token-lifetime-s must be between 10 s and a week, got {self.token_lifetime_s}")
+        if self.token_requests_per_minute < 1:
+            raise ValueError("--token-requests-per-minute must be >= 1")
         if self.swarm_preset not in SWARM_PRESETS:
             raise ValueError(f"--swarm-preset must be one of {sorted(SWARM_PRESETS)}, got {self.swarm_preset!r}")
         if self.keep_checkpoints < 1:
@@ -57,6 +70,11 @@ class CoordinatorConfig:
         self.run_dir = self.run_dir or f"runs/{self.run_id}"
         self.identity = self.identity or str(Path(self.run_dir) / "identity.key")
         self.checkpoint_dir = self.checkpoint_dir or str(Path(self.run_dir) / "checkpoints")
+        self.db = self.db or default_url(self.run_dir)
+
+    @property
+    def key_path(self) -> Path:
+        return Path(self.run_dir) / "coordinator_key.pem"
 
     def swarm_config(self) -> SwarmConfig:
         base = SWARM_PRESETS[self.swarm_preset]()
@@ -91,6 +109,11 @@ def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
         "text_tokenizer": ({"url": f"{config.url}/assets/text_tokenizer.json", "sha256": _sha256(text_tokenizer),
                             "path": str(text_tokenizer)} if needs_tokenizer else None),
         "assets": assets,
+        "db_url": config.db,
+        "samples_every_checkpoints": config.samples_every_checkpoints,
+        "auth": {"mode": config.auth, "key_path": str(config.key_path.resolve()),
+                 "coordinator_public_key": CoordinatorKey.load_or_create(config.key_path).public_key.decode(),
+                 "token_url": f"{config.url}/api/token", "token_lifetime_s": config.token_lifetime_s},
     }
 
 
@@ -115,10 +138,11 @@ def resolve_shards(config: CoordinatorConfig) -> Path | None:
 def run_coordinator(config: CoordinatorConfig) -> int:
     import uvicorn
 
-    from crowdtrain.coordinator.service import create_app
+    from crowdtrain.coordinator.service import AuthSettings, create_app
 
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(config.db)  # creates the tables before the auxiliary peer writes to them
     shards_dir = resolve_shards(config)
     spec = build_spec(config, shards_dir)
     (run_dir / "coordinator.json").write_text(json.dumps(spec, indent=2))
@@ -140,8 +164,13 @@ def run_coordinator(config: CoordinatorConfig) -> int:
         info = json.loads((run_dir / "run.json").read_text())
         logger.info("run %s is up: volunteers join with\n\n    crowdtrain join %s\n\nDHT peer %s",
                     config.run_id, config.url, info["coordinator_peer_id"])
-        app = create_app(run_dir, shards_dir=shards_dir,
-                         text_tokenizer=spec["text_tokenizer"]["path"] if spec["text_tokenizer"] else None)
+        logger.info("dashboard: %s/dashboard", config.url)
+        app = create_app(run_dir, store=store, shards_dir=shards_dir,
+                         text_tokenizer=spec["text_tokenizer"]["path"] if spec["text_tokenizer"] else None,
+                         auth=AuthSettings(mode=config.auth, key_path=config.key_path,
+                                           token_lifetime_s=config.token_lifetime_s,
+                                           requests_per_minute=config.token_requests_per_minute),
+                         public_url=config.url)
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
     finally:
         aux.terminate()
@@ -150,4 +179,5 @@ def run_coordinator(config: CoordinatorConfig) -> int:
         except subprocess.TimeoutExpired:
             aux.kill()
         log.close()
+        store.close()
     return 0

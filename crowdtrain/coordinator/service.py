@@ -1,21 +1,70 @@
-"""The coordinator's HTTP service: what volunteers need, as data, plus shards and checkpoints.
+"""The coordinator's HTTP service: the JSON API, access tokens, shards, checkpoints and the pages.
 
-Reads the files the auxiliary peer writes in the run folder (``run.json``, ``status.json``,
-``metrics.jsonl``, ``checkpoints/``); never imports torch. Shards are served with HTTP Range
-support (parquet readers seek). The web pages and authentication attach here later.
+Reads the run's database (``crowdtrain.coordinator.db``) and the files the auxiliary peer writes
+in the run folder (``run.json``, ``status.json``, ``checkpoints/``, ``samples/``); never imports
+torch or hivemind. Shards are served with HTTP Range support (parquet readers seek).
+
+Everything a client sends is bounded: request bodies over ``MAX_BODY_BYTES`` get 413, malformed
+ones 422 with the field at fault, and ``POST /api/token`` is rate-limited per client address
+(429), so no client can crash the coordinator or touch stored data it should not.
 """
 
 from __future__ import annotations
 
 import json
-from collections import deque
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel, Field
+
+from crowdtrain.coordinator.db import Store, valid_user_name
+from crowdtrain.coordinator.tokens import CoordinatorKey
 
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "optimizer.safetensors", "text_tokenizer.json",
                     "image_tokenizer.safetensors"}
+MAX_BODY_BYTES = 64 * 1024
+
+
+@dataclass
+class AuthSettings:
+    mode: str = "open"  # open | allowlist
+    key_path: str | Path = "coordinator_key.pem"
+    token_lifetime_s: float = 600.0
+    requests_per_minute: int = 120
+
+
+class TokenRequest(BaseModel):
+    public_key: str = Field(..., max_length=4096, description="the peer's RSA public key, OpenSSH encoding")
+    peer_id: str = Field("", max_length=128, description="the peer's libp2p ID (shown on the peers page)")
+    user: str = Field("anonymous", max_length=64, description="display name in open runs (ignored with a key)")
+
+
+class RateLimiter:
+    """At most ``limit`` events per ``window_s`` per client address (a sliding window)."""
+
+    def __init__(self, limit: int, window_s: float = 60.0):
+        self.limit, self.window_s = limit, window_s
+        self._events: dict[str, deque] = defaultdict(deque)
+        self._lock = threading.Lock()
+
+    def allow(self, client: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            events = self._events[client]
+            while events and events[0] < now - self.window_s:
+                events.popleft()
+            if len(events) >= self.limit:
+                return False
+            events.append(now)
+            if len(self._events) > 10_000:  # forget idle clients so the table stays small
+                for key in [k for k, v in self._events.items() if not v]:
+                    del self._events[key]
+            return True
 
 
 def _read_json(path: Path) -> dict | None:
@@ -34,14 +83,59 @@ def _inside(root: Path, relative: str) -> Path:
     return path
 
 
-def create_app(run_dir: str | Path, *, shards_dir: str | Path | None = None,
-               text_tokenizer: str | Path | None = None) -> FastAPI:
+def run_status(run_dir: Path, store: Store) -> dict:
+    """The run at a glance, for the API and the pages."""
+    info = _read_json(run_dir / "run.json") or {}
+    status = _read_json(run_dir / "status.json") or {}
+    swarm = info.get("swarm", {})
+    live = status.get("peers", [])
+    history = store.swarm_history(since=time.time() - 600)
+    epoch = int(status.get("epoch", 0))
+    total = int(status.get("total_epochs") or swarm.get("total_epochs") or 0)
+    eta_s = None
+    if len(history) >= 2 and history[-1]["epoch"] > history[0]["epoch"] and total:
+        rate = (history[-1]["epoch"] - history[0]["epoch"]) / max(history[-1]["time"] - history[0]["time"], 1e-9)
+        eta_s = max(total - epoch, 0) / rate
+    losses = [p["loss"] for p in live]
+    return {"run_id": info.get("run_id"), "started": info is not None and bool(info), "epoch": epoch,
+            "total_epochs": total, "target_batch_size": swarm.get("target_batch_size"),
+            "active_peers": len(live), "samples_per_second": float(status.get("samples_per_second", 0.0)),
+            "loss": sum(losses) / len(losses) if losses else None, "eta_s": eta_s,
+            "last_checkpoint_epoch": status.get("last_checkpoint_epoch"), "updated": status.get("updated"),
+            "peers": live, "model": info.get("task", {}).get("model", {}), "data": info.get("task", {}).get("data")}
+
+
+def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | None = None,
+               text_tokenizer: str | Path | None = None, auth: AuthSettings | None = None,
+               public_url: str = "http://127.0.0.1:8000") -> FastAPI:
+    from crowdtrain.coordinator.pages import create_router as pages_router
     from crowdtrain.memcalc.web import create_router as memcalc_router
 
     run_dir = Path(run_dir)
+    auth = auth or AuthSettings(key_path=run_dir / "coordinator_key.pem")
+    signing_key = CoordinatorKey.load_or_create(auth.key_path)
+    limiter = RateLimiter(auth.requests_per_minute)
     app = FastAPI(title="crowdtrain coordinator",
-                  description="Join information, live status, metrics, shards and checkpoints of one run.")
+                  description="Join information, access tokens, live status, metrics, leaderboard, shards, "
+                              "checkpoints and samples of one collaborative run.")
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return JSONResponse({"detail": f"request body too large (limit {MAX_BODY_BYTES} bytes)"}, status_code=413)
+        if length is None and request.method in ("POST", "PUT", "PATCH"):
+            body = b""
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    return JSONResponse({"detail": f"request body too large (limit {MAX_BODY_BYTES} bytes)"},
+                                        status_code=413)
+            request._body = body  # starlette reads the cached body downstream
+        return await call_next(request)
+
     app.include_router(memcalc_router("/memcalc"))  # the memory calculator page, for volunteers sizing a GPU
+    app.include_router(pages_router(run_dir=run_dir, store=store, public_url=public_url, auth_mode=auth.mode))
 
     def join_info() -> dict:
         info = _read_json(run_dir / "run.json")
@@ -53,46 +147,95 @@ def create_app(run_dir: str | Path, *, shards_dir: str | Path | None = None,
     def api_join() -> dict:
         return join_info()
 
-    @app.get("/api/status", summary="Current epoch, live peers and swarm throughput")
+    @app.post("/api/token", summary="An access token for this peer's key (send `Authorization: Bearer KEY` "
+                                    "in allowlist runs)")
+    def api_token(body: TokenRequest, request: Request, authorization: str | None = Header(None)) -> dict:
+        client = request.client.host if request.client else "unknown"
+        if not limiter.allow(client):
+            store.bump("token_requests_rate_limited")
+            raise HTTPException(429, f"too many token requests from {client}; wait a minute and retry")
+        api_key = None
+        if authorization:
+            scheme, _, api_key = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not api_key:
+                raise HTTPException(401, "send the API key as `Authorization: Bearer KEY`")
+        if api_key:
+            user = store.user_for_key(api_key)
+            if user is None:
+                store.bump("token_requests_refused")
+                raise HTTPException(403, "this API key is unknown or was revoked; ask the organizer for a new one "
+                                         "(`crowdtrain users add NAME`)")
+        elif auth.mode == "allowlist":
+            store.bump("token_requests_refused")
+            raise HTTPException(401, "this run admits invited users only: pass your API key with "
+                                     "`crowdtrain join URL --key KEY` (the organizer makes one with "
+                                     "`crowdtrain users add NAME`)")
+        else:
+            user = body.user
+            if not valid_user_name(user) or user == "coordinator":
+                raise HTTPException(422, f"--user must be 1-64 letters, digits, '-', '_' or '.', got {user!r}")
+            if store.is_revoked(user):
+                raise HTTPException(403, f"user {user!r} was revoked by the organizer")
+            store.ensure_open_user(user)
+        try:
+            token = signing_key.issue(user, body.public_key.encode(), lifetime_s=auth.token_lifetime_s)
+        except ValueError as e:
+            raise HTTPException(422, f"public_key: {e}") from e
+        if body.peer_id:
+            store.peer_joined(body.peer_id, user, body.public_key)
+        store.bump("tokens_issued")
+        return {**token, "lifetime_s": auth.token_lifetime_s}
+
+    @app.get("/api/status", summary="Epoch, schedule, active peers, swarm throughput, loss, time to the end")
     def api_status() -> dict:
-        status = _read_json(run_dir / "status.json") or {"epoch": 0, "peers": [], "samples_per_second": 0.0}
+        status = run_status(run_dir, store)
         status["run_id"] = join_info()["run_id"]
         return status
 
-    @app.get("/api/metrics", summary="The latest metrics records of all peers, oldest first")
-    def api_metrics(limit: int = 1000) -> list[dict]:
+    @app.get("/api/history", summary="The swarm over time: loss, active peers, samples/s, epoch")
+    def api_history(since: float = 0.0, limit: int = 5000) -> list[dict]:
         if not 1 <= limit <= 100_000:
             raise HTTPException(422, "limit must be between 1 and 100000")
-        path = run_dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        with open(path) as f:
-            lines = deque(f, maxlen=limit)
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a crash mid-write
-                continue
-        return out
+        return store.swarm_history(since=since, limit=limit)
+
+    @app.get("/api/metrics", summary="Metrics records of the peers, oldest first")
+    def api_metrics(limit: int = 1000, peer_id: str | None = None) -> list[dict]:
+        if not 1 <= limit <= 100_000:
+            raise HTTPException(422, "limit must be between 1 and 100000")
+        return store.metrics(limit=limit, peer_id=peer_id)
+
+    @app.get("/api/leaderboard", summary="Per user: samples counted by the swarm, compute time, last seen")
+    def api_leaderboard() -> list[dict]:
+        return store.leaderboard()
+
+    @app.get("/api/peers", summary="Peers seen, newest first (active ones reported within the last minute)")
+    def api_peers(active: bool = False) -> list[dict]:
+        return store.peers(active_only=active)
 
     @app.get("/api/checkpoints", summary="Saved checkpoints, oldest first")
     def api_checkpoints() -> list[dict]:
-        root = run_dir / "checkpoints"
-        found = []
-        for path in sorted(root.glob("step-*")) if root.is_dir() else []:
-            meta = _read_json(path / "config.json")
-            if meta is not None:
-                found.append({"name": path.name, "epoch": meta["step"], "loss": meta.get("loss"),
-                              "time": meta.get("time"),
-                              "files": sorted(p.name for p in path.iterdir() if p.name in CHECKPOINT_FILES)})
-        return found
+        return store.checkpoints()
+
+    @app.get("/api/samples", summary="Images generated from checkpoints for fixed prompts, newest first")
+    def api_samples(limit: int = 200) -> list[dict]:
+        if not 1 <= limit <= 10_000:
+            raise HTTPException(422, "limit must be between 1 and 10000")
+        return [{**s, "url": f"/files/{s['path']}"} for s in store.samples(limit=limit)]
+
+    @app.get("/api/counters", summary="Refused and rate-limited requests, dropped records, tokens issued")
+    def api_counters() -> dict:
+        return store.counters()
 
     @app.api_route("/checkpoints/{name}/{filename}", methods=["GET", "HEAD"], summary="Download one file of a checkpoint")
     def checkpoint_file(name: str, filename: str):
         if filename not in CHECKPOINT_FILES:
             raise HTTPException(404, f"checkpoints hold only {sorted(CHECKPOINT_FILES)}")
-        return FileResponse(_inside(run_dir / "checkpoints", f"{name}/{filename}"))
+        return FileResponse(_inside(run_dir / "checkpoints", f"{name}/{filename}"),
+                            filename=f"{name}-{filename}" if filename != "config.json" else None)
+
+    @app.get("/files/samples/{relative:path}", summary="Sample images")
+    def sample_file(relative: str):
+        return FileResponse(_inside(run_dir / "samples", relative))
 
     if shards_dir is not None:
         shards_root = Path(shards_dir)
@@ -108,17 +251,5 @@ def create_app(run_dir: str | Path, *, shards_dir: str | Path | None = None,
         @app.get("/assets/text_tokenizer.json", summary="The run's text tokenizer")
         def tokenizer():
             return FileResponse(tokenizer_path)
-
-    @app.get("/", response_class=HTMLResponse, summary="A short page: the run and how to join")
-    def home() -> str:
-        info = _read_json(run_dir / "run.json") or {}
-        status = _read_json(run_dir / "status.json") or {}
-        run_id = info.get("run_id", "(starting)")
-        return (f"<!doctype html><title>crowdtrain: {run_id}</title><h1>crowdtrain run {run_id}</h1>"
-                f"<p>Global epoch {status.get('epoch', 0)}, {len(status.get('peers', []))} active peers.</p>"
-                "<p>Join with <code>crowdtrain join URL-OF-THIS-PAGE</code>. "
-                "JSON: <a href='/api/status'>status</a>, <a href='/api/metrics'>metrics</a>, "
-                "<a href='/api/checkpoints'>checkpoints</a>, <a href='/docs'>API docs</a>. "
-                "Will it fit your GPU? <a href='/memcalc'>Memory calculator</a>.</p>")
 
     return app

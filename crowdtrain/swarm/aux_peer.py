@@ -29,15 +29,19 @@ from pathlib import Path
 
 import hivemind
 import torch
+from hivemind.p2p import PeerID
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from crowdtrain.checkpoint import (checkpoint_name, latest_checkpoint, load_optimizer_state, prune_checkpoints,
                                    save_checkpoint)
 from crowdtrain.model.config import ModelConfig
 from crowdtrain.model.info import architecture_fingerprint
+from crowdtrain.coordinator.db import Store
+from crowdtrain.coordinator.tokens import CoordinatorKey
 from crowdtrain.model.transformer import DalleTransformer
 from crowdtrain.optim import param_groups
 from crowdtrain.swarm import metrics as swarm_metrics
+from crowdtrain.swarm.auth import AccessGuard, LocalTokenSource, SwarmAuthorizer, TokenKeeper, guarded, load_identity
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, make_scheduler, unflatten_optimizer_state
@@ -61,13 +65,27 @@ class AuxPeer:
         self.checkpoint_dir = Path(spec["checkpoint_dir"])
         self.keep = int(spec.get("keep_checkpoints", 3))
         validators, self.signer = swarm_metrics.make_validators(self.swarm.run_id)
+        self.refused_records = validators[0].refused
+        self.store = Store(spec["db_url"])
+        self.auth = spec["auth"]
+        # The coordinator's own peer signs its access token with the coordinator key.
+        key = load_identity(spec["identity"])
+        public_key = key.get_public_key().to_bytes()
+        self.token_source = LocalTokenSource(self.auth["key_path"], public_key=public_key, user="coordinator",
+                                             lifetime_s=self.auth["token_lifetime_s"])
+        coordinator_key = CoordinatorKey.load_or_create(self.auth["key_path"]).public_key
+        authorizer = SwarmAuthorizer(key, coordinator_key, self.token_source,
+                                     refresh_margin_s=self.auth["token_lifetime_s"] / 3)
+        self.guard = AccessGuard(run_id=self.swarm.run_id, coordinator_public_key=coordinator_key)
         # After a restart, rejoin the swarm through the peers seen last time; alone otherwise.
         known = json.loads((run_dir / "known_peers.json").read_text()) if (run_dir / "known_peers.json").is_file() else {}
         initial_peers = [m for maddrs in known.values() for m in maddrs]
-        self.dht = self._start_dht(spec, validators, initial_peers)
+        self.dht = self._start_dht(spec, validators, initial_peers, authorizer)
+        self.keeper = TokenKeeper(self.dht, self.swarm.run_id, self.signer, self.token_source,
+                                  lifetime_s=self.auth["token_lifetime_s"]).start()
         self.model = DalleTransformer(self.model_config)
         compression = PaperCompression(self.swarm.compression_threshold)
-        self.averager = TrainingStateAverager(
+        self.averager = guarded(TrainingStateAverager, self.guard)(
             dht=self.dht, prefix=f"{self.swarm.run_id}_state_averager",
             optimizer=partial(make_lamb, config=self.swarm), scheduler=partial(make_scheduler, config=self.swarm),
             params=param_groups(self.model, self.swarm.weight_decay), compression=compression,
@@ -75,12 +93,13 @@ class AuxPeer:
             allow_state_sharing=True, start=True)
         self.last_checkpoint_epoch = self._resume()
         self.seen: dict[str, float] = {}
+        self.checkpoints_written = 0
         self.stop = threading.Event()
 
     @staticmethod
-    def _start_dht(spec: dict, validators: list, initial_peers: list[str]) -> hivemind.DHT:
+    def _start_dht(spec: dict, validators: list, initial_peers: list[str], authorizer) -> hivemind.DHT:
         kwargs = dict(host_maddrs=[f"/ip4/{spec['dht_host']}/tcp/{spec['dht_port']}"], identity_path=spec["identity"],
-                      record_validators=validators, start=True)
+                      record_validators=validators, authorizer=authorizer, start=True)
         if initial_peers:
             try:
                 dht = hivemind.DHT(initial_peers=initial_peers, ensure_bootstrap_success=False, **kwargs)
@@ -119,6 +138,7 @@ class AuxPeer:
             "initial_peers": maddrs,
             "text_tokenizer": self.spec.get("text_tokenizer"),
             "coordinator_peer_id": str(self.dht.peer_id),
+            "auth": {k: self.auth[k] for k in ("mode", "coordinator_public_key", "token_url", "token_lifetime_s")},
         }
         write_json_atomic(self.run_dir / "run.json", join)
         logger.info("DHT up at %s", maddrs)
@@ -131,16 +151,44 @@ class AuxPeer:
                 for r in fresh:
                     f.write(json.dumps(r.dict()) + "\n")
                     self.seen[r.peer_id] = r.time
+            self.store.record_metrics([r.dict() for r in fresh])
         live = [r for r in records if time.time() - r.time < 60]
         reachable = {r.peer_id: r.maddrs for r in live if r.maddrs}
         if reachable:
             write_json_atomic(self.run_dir / "known_peers.json", reachable)
         epoch = max([r.epoch for r in live], default=self.averager.local_epoch)
+        rate = sum(r.samples_per_second for r in live)
+        mean_loss = sum(r.loss for r in live) / len(live) if live else None
+        self.store.record_swarm_point(epoch=epoch, loss=mean_loss, active_peers=len(live), samples_per_second=rate)
+        self.collect_contributions()
+        self.store.set_counter("metrics_records_refused", int(self.refused_records.value))
+        self.store.set_counter("averaging_requests_refused", int(self.guard.refused))
         write_json_atomic(self.run_dir / "status.json", {
             "epoch": epoch, "peers": [r.dict() for r in live], "updated": time.time(),
-            "last_checkpoint_epoch": self.last_checkpoint_epoch,
-            "samples_per_second": sum(r.samples_per_second for r in live)})
+            "last_checkpoint_epoch": self.last_checkpoint_epoch, "samples_per_second": rate,
+            "total_epochs": self.swarm.total_epochs, "target_batch_size": self.swarm.target_batch_size})
         return live
+
+    def collect_contributions(self) -> None:
+        """Samples per peer per global epoch, as hivemind's progress tracker counted them: what the
+        swarm weighed that peer's gradients by (sampled every refresh, so a lower bound)."""
+        try:
+            found = self.dht.get(f"{self.swarm.run_id}_progress", latest=True, return_future=True).result(timeout=10)
+        except Exception as e:
+            logger.debug("could not read progress records: %r", e)
+            return
+        if found is None or not isinstance(found.value, dict):
+            return
+        for entry in found.value.values():
+            progress = entry.value
+            try:
+                peer_id = str(PeerID(progress["peer_id"]))
+                samples, epoch = int(progress["samples_accumulated"]), int(progress["epoch"])
+                rate = float(progress["samples_per_second"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if samples > 0:
+                self.store.record_contribution(peer_id=peer_id, epoch=epoch, samples=samples, samples_per_second=rate)
 
     def maybe_checkpoint(self, live: list[swarm_metrics.PeerMetrics], *, force: bool = False) -> None:
         swarm_epoch = max([r.epoch for r in live], default=0)
@@ -162,8 +210,39 @@ class AuxPeer:
                                run_config={"task": self.spec["task"], "swarm": self.swarm.to_dict()},
                                optimizer_state=tensors, optimizer_meta=meta, assets=self.spec.get("assets"))
         prune_checkpoints(self.checkpoint_dir, self.keep)
+        self.store.record_checkpoint(name=path.name, epoch=epoch, loss=mean_loss,
+                                     files=sorted(p.name for p in path.iterdir()))
+        self.store.mark_pruned([p.name for p in self.checkpoint_dir.glob("step-*")])
         self.last_checkpoint_epoch = epoch
+        self.checkpoints_written += 1
         logger.info("checkpoint at epoch %d: %s (mean loss %.4f)", epoch, path, mean_loss)
+        every = self.spec.get("samples_every_checkpoints", 1)
+        if every and self.checkpoints_written % every == 0:
+            self.make_samples(path, epoch)
+
+    def make_samples(self, checkpoint: Path, epoch: int, per_prompt: int = 4) -> None:
+        """Images for the fixed prompts from this checkpoint, for the samples gallery."""
+        try:
+            from PIL import Image
+
+            from crowdtrain.data import EVAL_PROMPTS
+            from crowdtrain.data.generate import Generator, make_grid
+
+            gen = Generator.from_checkpoint(checkpoint)
+            folder = self.run_dir / "samples" / checkpoint.name
+            folder.mkdir(parents=True, exist_ok=True)
+            prompts = [(p, False) for p in EVAL_PROMPTS["seen"][:3]] + [(p, True) for p in EVAL_PROMPTS["heldout"][:3]]
+            for i, (prompt, held_out) in enumerate(prompts):
+                images = gen.sample(prompt, per_prompt, top_k=256, top_p=0.75, temperature=1.0, seed=i)[1]
+                grid = make_grid(images, columns=per_prompt)
+                grid = grid.resize((grid.width * 3, grid.height * 3), Image.NEAREST)
+                path = folder / f"{i}.png"
+                grid.save(path)
+                self.store.record_sample(checkpoint=checkpoint.name, epoch=epoch, prompt=prompt,
+                                         path=str(path.relative_to(self.run_dir)), held_out=held_out)
+            logger.info("samples for %s written to %s", checkpoint.name, folder)
+        except Exception as e:  # samples are a nicety: never let them stop the checkpointer
+            logger.warning("could not make samples for %s: %r", checkpoint, e)
 
     def run(self, refresh_s: float = 2.0) -> None:
         self.announce()
@@ -174,6 +253,7 @@ class AuxPeer:
         self.shutdown()
 
     def shutdown(self) -> None:
+        self.keeper.stop()
         self.averager.shutdown()
         self.dht.shutdown()
 

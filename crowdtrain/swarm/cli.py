@@ -19,7 +19,13 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="0.0.0.0", help="address to accept peer connections on")
     p.add_argument("--max-epochs", type=int, default=None, help="leave when the swarm reaches this global epoch")
     p.add_argument("--minutes", type=float, default=None, help="leave after this much time")
-    p.add_argument("--user", default="anonymous", help="name shown for your contributions")
+    p.add_argument("--key", default=None,
+                   help="your API key for runs that admit only invited users (or set CROWDTRAIN_KEY); the "
+                        "organizer makes one with `crowdtrain users add NAME`")
+    p.add_argument("--user", default="anonymous",
+                   help="name shown for your contributions in open runs (with --key, the key's user is used)")
+    p.add_argument("--identity", default=None,
+                   help="file of this peer's private key (made if missing); default: a fresh one per process")
     p.add_argument("--simulated-step-s", type=float, default=0.0,
                    help="pad each step to at least this many seconds (emulates a slower device)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -33,13 +39,16 @@ def register(subparsers) -> None:
 
 
 def _join(args) -> int:
+    import os
+
     from crowdtrain.coordinator.cli import parse_overrides
     from crowdtrain.swarm.peer import VolunteerConfig, run_volunteer
 
     config = VolunteerConfig(
         coordinator_url=args.url, batch_size=args.batch_size, device=args.device, precision=args.precision,
         client_mode=args.client_mode, host=args.host, max_epochs=args.max_epochs, max_minutes=args.minutes,
-        user=args.user, simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
+        user=args.user, api_key=args.key or os.environ.get("CROWDTRAIN_KEY"), identity=args.identity,
+        simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
         summary_file=args.summary_file, save_final=args.save_final,
         model_overrides=parse_overrides(args.model, flag="--model"), fault=args.inject_fault, verbose=args.verbose)
     run_volunteer(config)

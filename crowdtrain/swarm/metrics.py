@@ -9,6 +9,7 @@ do not match ``PeerMetrics``. So a peer can only write its own metrics, and only
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 from typing import Dict, List
 
 import hivemind
@@ -38,14 +39,41 @@ class PeerMetrics(pydantic.BaseModel):
     maddrs: List[pydantic.StrictStr] = []
 
 
-class MetricsSchema(pydantic.BaseModel):
+class AccessTokenRecord(pydantic.BaseModel):
+    """A peer's access token as published for averagers (see ``crowdtrain.swarm.auth``)."""
+    username: pydantic.StrictStr
+    public_key: pydantic.StrictStr
+    expiration_time: pydantic.StrictStr
+    signature: pydantic.StrictStr
+
+
+class RunSchema(pydantic.BaseModel):
     metrics: Dict[BytesWithPublicKey, PeerMetrics]
+    auth: Dict[BytesWithPublicKey, AccessTokenRecord]
+
+
+class CountingSchemaValidator(SchemaValidator):
+    """A SchemaValidator that counts the records it refuses (shared across the DHT's fork)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refused = mp.Value("q", 0)
+
+    def validate(self, record) -> bool:
+        ok = super().validate(record)
+        if not ok:
+            with self.refused.get_lock():
+                self.refused.value += 1
+        return ok
 
 
 def make_validators(run_id: str) -> tuple[list, RSASignatureValidator]:
-    """Record validators every peer of a run installs in its DHT, and this peer's signer."""
+    """Record validators every peer of a run installs in its DHT, and this peer's signer.
+
+    The first is a :class:`CountingSchemaValidator`: ``validators[0].refused.value`` is how many
+    malformed records this peer's DHT has refused so far."""
     signer = RSASignatureValidator()
-    return [SchemaValidator(MetricsSchema, prefix=run_id), signer], signer
+    return [CountingSchemaValidator(RunSchema, prefix=run_id), signer], signer
 
 
 def metrics_key(run_id: str) -> str:

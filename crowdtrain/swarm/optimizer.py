@@ -16,8 +16,11 @@ from functools import partial
 import bitsandbytes as bnb
 import hivemind
 import torch
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 
 from crowdtrain.optim import linear_warmup_decay, param_groups
+from crowdtrain.swarm.auth import AccessGuard, guarded
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 
@@ -50,12 +53,26 @@ def make_scheduler(optimizer, config: SwarmConfig):
 
 
 class SwarmOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer that remembers how many peers each gradient-averaging round had."""
+    """hivemind.Optimizer that remembers how many peers each gradient-averaging round had, and
+    whose averagers refuse peers without a valid access token (when given an ``access_guard``)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, access_guard: AccessGuard | None = None, **kwargs):
+        self.access_guard = access_guard
+        if access_guard is not None:
+            kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
+                                                      access_guard)
         super().__init__(*args, **kwargs)
         self._rounds_lock = threading.Lock()
         self.rounds: list[dict] = []  # {"epoch", "group_size", "swarm_peers"} per round
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        # As hivemind.Optimizer's, with the guarded class.
+        return guarded(TrainingStateAverager, self.access_guard)(
+            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         swarm_peers = self.tracker.global_progress.num_peers
@@ -76,9 +93,11 @@ class SwarmOptimizer(hivemind.Optimizer):
 
 
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
-                    client_mode: bool = False, auxiliary: bool = False, verbose: bool = False) -> SwarmOptimizer:
+                    client_mode: bool = False, auxiliary: bool = False, verbose: bool = False,
+                    access_guard: AccessGuard | None = None) -> SwarmOptimizer:
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
+        access_guard=access_guard,
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
         optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),

@@ -38,6 +38,8 @@ class VolunteerConfig:
     simulated_step_s: float = 0.0  # pad each step to at least this long (emulate a slower device)
     precision: str = "fp32"
     user: str = "anonymous"
+    api_key: str | None = None  # for allowlist runs: `crowdtrain users add NAME` prints it
+    identity: str | None = None  # private key file of this peer (default: a fresh one, deleted on exit)
     cache_dir: str = "~/.cache/crowdtrain"
     summary_file: str | None = None  # write a JSON summary here when leaving
     save_final: str | None = None  # write the final parameters (safetensors) here when leaving
@@ -176,20 +178,31 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         raise ValueError("--device cuda was given but torch sees no CUDA device; use --device cpu")
     stop_event = stop or threading.Event()
     validators, signer = swarm_metrics.make_validators(swarm.run_id)
+    access = _Access(config, info, swarm.run_id)
+    summary_extra = {}
+
+    def denied(reason: str) -> None:
+        summary_extra["stopped_because"] = reason
+        stop_event.set()
+
     with children_ignore_sigint():
         dht = hivemind.DHT(initial_peers=info["initial_peers"], client_mode=config.client_mode,
-                           host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True)
+                           host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True,
+                           **access.dht_kwargs())
     peer_id = str(dht.peer_id)
+    access.start_keeper(dht, signer, on_denied=denied)
+    user = access.user or config.user
     maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]
     model = task.build_model().to(device)
     with children_ignore_sigint():
         optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
-                                    client_mode=config.client_mode, verbose=config.verbose)
+                                    client_mode=config.client_mode, verbose=config.verbose,
+                                    access_guard=access.guard)
     if stop is None:
         # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
         # when they start (and never restore it), which would make Ctrl-C do nothing.
         _Stop(stop_event)
-    summary = {"peer_id": peer_id, "user": config.user, "config": asdict(config), "fingerprint": info["fingerprint"],
+    summary = {"peer_id": peer_id, "user": user, "config": asdict(config), "fingerprint": info["fingerprint"],
                "maddrs": maddrs,
                "epochs": [], "rounds": []}
     try:
@@ -206,6 +219,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         # agreed on, not one step behind; then say goodbye over the network, with a deadline:
         # after Ctrl-C in a terminal the p2p daemon has already exited and cannot answer.
         _bounded(lambda: optimizer.state_averager.step(wait_for_delayed_updates=True), 60, "the last optimizer step")
+        summary.update(summary_extra)
         summary["rounds"] = list(optimizer.rounds)
         summary["final_epoch"] = optimizer.local_epoch
         if config.save_final:
@@ -214,9 +228,76 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
             save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, config.save_final)
         if config.summary_file:
             Path(config.summary_file).write_text(json.dumps(summary, indent=2))
+        access.close()
         _bounded(optimizer.shutdown, 30, "leaving the averaging groups")
         _bounded(dht.shutdown, 15, "stopping the DHT")
     return summary
+
+
+class _Access:
+    """This peer's identity, access token and guard, when the run authenticates peers (it says so in
+    ``/api/join``'s ``auth``). Fails fast, before any p2p start-up, if the coordinator refuses."""
+
+    def __init__(self, config: VolunteerConfig, info: dict, run_id: str):
+        self.auth = info.get("auth")
+        self.user = self.token = self.guard = self.keeper = None
+        self.temporary_identity = None
+        if self.auth is None:
+            return
+        from crowdtrain.swarm.auth import (AccessDenied, AccessGuard, HttpTokenSource, SwarmAuthorizer,
+                                           identity_path_for, load_identity, peer_id_of)
+
+        if self.auth["mode"] == "allowlist" and not config.api_key:
+            raise ValueError("this run admits invited users only: ask its organizer for an API key "
+                             "(`crowdtrain users add NAME` on the coordinator) and pass it with --key KEY")
+        path = config.identity
+        if path is None:
+            path = self.temporary_identity = identity_path_for(config.cache_dir, run_id, config.user)
+        self.identity_path = str(path)
+        key = load_identity(path)
+        public_key = key.get_public_key().to_bytes()
+        self.source = HttpTokenSource(self.auth["token_url"], public_key=public_key,
+                                      peer_id=str(peer_id_of(public_key)), api_key=config.api_key, user=config.user)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.token = self.source()
+                break
+            except AccessDenied as e:
+                raise ValueError(f"{e}. Check --key (or ask the organizer for a new key)") from e
+            except (ConnectionError, OSError) as e:  # coordinator restarting or overloaded: retry
+                if time.monotonic() > deadline:
+                    raise ValueError(f"could not get an access token from {self.auth['token_url']}: {e}") from e
+                logger.warning("%s; retrying", e)
+                time.sleep(3)
+        self.user = self.token["username"]
+        coordinator_key = self.auth["coordinator_public_key"].encode()
+        lifetime = float(self.auth["token_lifetime_s"])
+        self.lifetime = lifetime
+        self.authorizer = SwarmAuthorizer(key, coordinator_key, self.source, refresh_margin_s=lifetime / 3)
+        self.guard = AccessGuard(run_id=run_id, coordinator_public_key=coordinator_key)
+        self.run_id = run_id
+
+    def dht_kwargs(self) -> dict:
+        if self.auth is None:
+            return {}
+        return {"identity_path": self.identity_path, "authorizer": self.authorizer}
+
+    def start_keeper(self, dht, signer, *, on_denied) -> None:
+        if self.auth is None:
+            return
+        from crowdtrain.swarm.auth import TokenKeeper
+
+        self.keeper = TokenKeeper(dht, self.run_id, signer, self.source, lifetime_s=self.lifetime,
+                                  on_denied=on_denied).start(self.token)
+
+    def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+        if self.temporary_identity is not None:
+            with contextlib.suppress(OSError):
+                os.chmod(self.temporary_identity, 0o600)
+                os.unlink(self.temporary_identity)
 
 
 def _bounded(fn, timeout_s: float, what: str) -> None:
@@ -291,7 +372,7 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
                 samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
                 client_mode=config.client_mode, last_round_peers=int(last_round["group_size"]),
                 swarm_peers=int(last_round["swarm_peers"]), fingerprint=summary["fingerprint"],
-                user=config.user, maddrs=summary["maddrs"]))
+                user=summary["user"], maddrs=summary["maddrs"]))
             epoch_seen, last_report = optimizer.local_epoch, now
     summary.update(samples=contributed, steps=steps, seconds=time.perf_counter() - start, wait_s=waited,
                    dropped_batches=dropped,

@@ -1,0 +1,393 @@
+"""The coordinator's storage: users and keys, peers, metrics, contributions, checkpoints, samples.
+
+SQLAlchemy, so any database URL works (``--db postgresql://...``); by default a SQLite file in
+the run folder, which needs no set-up. Two processes write it: the web service (users, tokens
+issued, join attempts) and the auxiliary peer (metrics, contributions, checkpoints, samples);
+SQLite runs in WAL mode with a busy timeout so they do not trip over each other. Everything a
+page shows is read from here, so a coordinator restart loses nothing.
+
+Contributions are *counted by the swarm*: the samples each peer reported to hivemind's progress
+tracker for a global epoch, i.e. the weight its gradients carried when that epoch's averaging
+happened, not wall time and not what a peer claims in its own metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import secrets
+import time
+from pathlib import Path
+
+from sqlalchemy import (Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event,
+                        func, select, update)
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+ACTIVE_WINDOW_S = 60.0  # a peer that reported within this window counts as active
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class User(Base):
+    __tablename__ = "users"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    key_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)  # sha256 of the API key
+    created: Mapped[float] = mapped_column(Float)
+    revoked: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Peer(Base):
+    __tablename__ = "peers"
+    peer_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    user: Mapped[str] = mapped_column(String(64), index=True)
+    public_key: Mapped[str | None] = mapped_column(Text, nullable=True)
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    samples_per_second: Mapped[float] = mapped_column(Float, default=0.0)
+    client_mode: Mapped[bool] = mapped_column(Boolean, default=False)
+    last_round_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_round_peers: Mapped[int] = mapped_column(Integer, default=0)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class MetricsReport(Base):
+    __tablename__ = "metrics"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    peer_id: Mapped[str] = mapped_column(String(128), index=True)
+    user: Mapped[str] = mapped_column(String(64))
+    time: Mapped[float] = mapped_column(Float, index=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(Float)
+    samples: Mapped[int] = mapped_column(Integer)
+    samples_per_second: Mapped[float] = mapped_column(Float)
+    steps: Mapped[int] = mapped_column(Integer)
+    client_mode: Mapped[bool] = mapped_column(Boolean)
+    last_round_peers: Mapped[int] = mapped_column(Integer)
+    swarm_peers: Mapped[int] = mapped_column(Integer)
+    __table_args__ = (UniqueConstraint("peer_id", "time"),)
+
+
+class SwarmPoint(Base):
+    """One sample of the swarm as a whole, taken by the auxiliary peer every few seconds."""
+    __tablename__ = "swarm_points"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    time: Mapped[float] = mapped_column(Float, index=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)  # mean over active peers
+    active_peers: Mapped[int] = mapped_column(Integer)
+    samples_per_second: Mapped[float] = mapped_column(Float)
+
+
+class Contribution(Base):
+    __tablename__ = "contributions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    peer_id: Mapped[str] = mapped_column(String(128), index=True)
+    user: Mapped[str] = mapped_column(String(64), index=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    samples: Mapped[int] = mapped_column(Integer)
+    compute_s: Mapped[float] = mapped_column(Float)  # samples / the peer's reported rate
+    time: Mapped[float] = mapped_column(Float)
+    __table_args__ = (UniqueConstraint("peer_id", "epoch"),)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    time: Mapped[float] = mapped_column(Float)
+    files: Mapped[str] = mapped_column(Text, default="[]")  # JSON list of file names
+    pruned: Mapped[bool] = mapped_column(Boolean, default=False)  # removed from disk (only the last K are kept)
+
+
+class Sample(Base):
+    __tablename__ = "samples"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint: Mapped[str] = mapped_column(String(64), ForeignKey("checkpoints.name"))
+    epoch: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    path: Mapped[str] = mapped_column(Text)  # relative to the run folder
+    held_out: Mapped[bool] = mapped_column(Boolean, default=False)
+    time: Mapped[float] = mapped_column(Float)
+
+
+class Counter(Base):
+    """Named counters: join attempts refused, metrics records dropped by the schema, ..."""
+    __tablename__ = "counters"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(Integer, default=0)
+
+
+def _retry_on_conflict(write, attempts: int = 3):
+    """Run a read-modify-write; if another writer inserted the same row first, redo it (it then updates)."""
+    for attempt in range(attempts):
+        try:
+            return write()
+        except IntegrityError:
+            if attempt == attempts - 1:
+                raise
+
+
+def _conflict_retrying(method):
+    """For insert-if-missing writers that two processes (web, auxiliary peer) may race on."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        return _retry_on_conflict(lambda: method(*args, **kwargs))
+    return wrapper
+
+
+def default_url(run_dir: str | Path) -> str:
+    return f"sqlite:///{Path(run_dir).resolve() / 'coordinator.sqlite'}"
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def valid_user_name(name: str) -> bool:
+    return 1 <= len(name) <= 64 and all(c.isalnum() or c in "-_." for c in name)
+
+
+class Store:
+    """All reads and writes of the coordinator's database, as plain dicts (no ORM objects leak)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        connect_args = {"timeout": 30} if url.startswith("sqlite") else {}
+        self.engine = create_engine(url, connect_args=connect_args)
+        if url.startswith("sqlite"):
+            @event.listens_for(self.engine, "connect")
+            def _sqlite_pragmas(connection, _record):
+                cursor = connection.cursor()
+                cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+                cursor.execute("PRAGMA synchronous=NORMAL")
+                cursor.close()
+        Base.metadata.create_all(self.engine)
+        self.session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- users -------------------------------------------------------------------------------
+    def add_user(self, name: str) -> str:
+        """Create a user (or give a revoked one a fresh key); returns the API key, shown once."""
+        if not valid_user_name(name):
+            raise ValueError(f"user names are 1-64 letters, digits, '-', '_' or '.', got {name!r}")
+        api_key = "ct_" + secrets.token_urlsafe(24)
+        with self.session.begin() as s:
+            user = s.scalar(select(User).where(User.name == name))
+            if user is not None and user.revoked is None and user.key_hash is not None:
+                raise ValueError(f"user {name!r} exists; revoke it first (`crowdtrain users revoke {name}`) to "
+                                 "issue a new key")
+            if user is None:
+                user = User(name=name, created=time.time())
+                s.add(user)
+            user.key_hash, user.revoked = hash_key(api_key), None
+        return api_key
+
+    def revoke_user(self, name: str) -> None:
+        with self.session.begin() as s:
+            user = s.scalar(select(User).where(User.name == name))
+            if user is None:
+                raise ValueError(f"no user {name!r}; `crowdtrain users list` shows who exists")
+            user.revoked = time.time()
+
+    def list_users(self) -> list[dict]:
+        with self.session() as s:
+            return [{"name": u.name, "created": u.created, "revoked": u.revoked, "has_key": u.key_hash is not None}
+                    for u in s.scalars(select(User).order_by(User.name))]
+
+    def user_for_key(self, api_key: str) -> str | None:
+        """The active user holding this key, or None (unknown or revoked)."""
+        with self.session() as s:
+            user = s.scalar(select(User).where(User.key_hash == hash_key(api_key)))
+            return user.name if user is not None and user.revoked is None else None
+
+    def is_revoked(self, name: str) -> bool:
+        with self.session() as s:
+            user = s.scalar(select(User).where(User.name == name))
+            return user is not None and user.revoked is not None
+
+    @_conflict_retrying
+    def ensure_open_user(self, name: str) -> None:
+        """In an open run anyone may pick a name; remember it (without a key) for the leaderboard."""
+        with self.session.begin() as s:
+            if s.scalar(select(User).where(User.name == name)) is None:
+                s.add(User(name=name, created=time.time()))
+
+    # ---- peers, as seen at join time and in metrics ------------------------------------------
+    @_conflict_retrying
+    def peer_joined(self, peer_id: str, user: str, public_key: str) -> None:
+        now = time.time()
+        with self.session.begin() as s:
+            peer = s.get(Peer, peer_id)
+            if peer is None:
+                s.add(Peer(peer_id=peer_id, user=user, public_key=public_key, first_seen=now, last_seen=now))
+            else:
+                peer.user, peer.public_key, peer.last_seen = user, public_key, now
+
+    def user_of_peer(self, peer_id: str) -> str | None:
+        with self.session() as s:
+            peer = s.get(Peer, peer_id)
+            return peer.user if peer is not None else None
+
+    @_conflict_retrying
+    def record_metrics(self, records: list[dict]) -> int:
+        """Store metrics records (PeerMetrics dicts); returns how many were new. The user is the one
+        the coordinator authenticated for that peer, not the name the record claims."""
+        added = 0
+        with self.session.begin() as s:
+            for r in records:
+                if s.scalar(select(MetricsReport.id).where(MetricsReport.peer_id == r["peer_id"],
+                                                           MetricsReport.time == r["time"])) is not None:
+                    continue
+                peer = s.get(Peer, r["peer_id"])
+                if peer is None:
+                    peer = Peer(peer_id=r["peer_id"], user=r.get("user", "anonymous"), first_seen=r["time"],
+                                last_seen=r["time"])
+                    s.add(peer)
+                s.add(MetricsReport(peer_id=r["peer_id"], user=peer.user, time=r["time"], epoch=r["epoch"],
+                                    loss=r["loss"], samples=r["samples"], samples_per_second=r["samples_per_second"],
+                                    steps=r["steps"], client_mode=r["client_mode"],
+                                    last_round_peers=r["last_round_peers"], swarm_peers=r["swarm_peers"]))
+                if r["time"] >= peer.last_seen:
+                    peer.last_seen, peer.epoch, peer.loss = r["time"], r["epoch"], r["loss"]
+                    peer.samples_per_second, peer.client_mode = r["samples_per_second"], r["client_mode"]
+                    if r["last_round_peers"] > 0:
+                        peer.last_round_epoch, peer.last_round_peers = r["epoch"], r["last_round_peers"]
+                added += 1
+        return added
+
+    def record_swarm_point(self, *, epoch: int, loss: float | None, active_peers: int,
+                           samples_per_second: float, at: float | None = None) -> None:
+        with self.session.begin() as s:
+            s.add(SwarmPoint(time=at or time.time(), epoch=epoch, loss=loss, active_peers=active_peers,
+                             samples_per_second=samples_per_second))
+
+    @_conflict_retrying
+    def record_contribution(self, *, peer_id: str, epoch: int, samples: int, samples_per_second: float,
+                            user: str | None = None) -> None:
+        """One peer's samples in one global epoch (idempotent: a repeat keeps the larger count)."""
+        with self.session.begin() as s:
+            row = s.scalar(select(Contribution).where(Contribution.peer_id == peer_id, Contribution.epoch == epoch))
+            compute_s = samples / samples_per_second if samples_per_second > 0 else 0.0
+            if row is None:
+                peer = s.get(Peer, peer_id)
+                s.add(Contribution(peer_id=peer_id, user=(peer.user if peer else None) or user or "anonymous",
+                                   epoch=epoch, samples=samples, compute_s=compute_s, time=time.time()))
+            elif samples > row.samples:
+                row.samples, row.compute_s = samples, compute_s
+
+    def bump(self, name: str, by: int = 1) -> None:
+        def write():
+            with self.session.begin() as s:
+                if s.execute(update(Counter).where(Counter.name == name)
+                             .values(value=Counter.value + by)).rowcount == 0:
+                    s.add(Counter(name=name, value=by))
+        _retry_on_conflict(write)
+
+    def set_counter(self, name: str, value: int) -> None:
+        def write():
+            with self.session.begin() as s:
+                if s.execute(update(Counter).where(Counter.name == name).values(value=value)).rowcount == 0:
+                    s.add(Counter(name=name, value=value))
+        _retry_on_conflict(write)
+
+    def counters(self) -> dict[str, int]:
+        with self.session() as s:
+            return {c.name: c.value for c in s.scalars(select(Counter))}
+
+    # ---- checkpoints and samples --------------------------------------------------------------
+    @_conflict_retrying
+    def record_checkpoint(self, *, name: str, epoch: int, loss: float | None, files: list[str],
+                          at: float | None = None) -> None:
+        with self.session.begin() as s:
+            row = s.get(Checkpoint, name)
+            if row is None:
+                s.add(Checkpoint(name=name, epoch=epoch, loss=loss, time=at or time.time(), files=json.dumps(files)))
+            else:
+                row.epoch, row.loss, row.files, row.pruned = epoch, loss, json.dumps(files), False
+
+    def mark_pruned(self, kept: list[str]) -> None:
+        with self.session.begin() as s:
+            for row in s.scalars(select(Checkpoint).where(Checkpoint.name.not_in(kept))):
+                row.pruned = True
+
+    def record_sample(self, *, checkpoint: str, epoch: int, prompt: str, path: str, held_out: bool) -> None:
+        with self.session.begin() as s:
+            s.add(Sample(checkpoint=checkpoint, epoch=epoch, prompt=prompt, path=path, held_out=held_out,
+                         time=time.time()))
+
+    # ---- what the pages show --------------------------------------------------------------------
+    def swarm_history(self, *, since: float = 0.0, limit: int = 5000) -> list[dict]:
+        with self.session() as s:
+            rows = s.scalars(select(SwarmPoint).where(SwarmPoint.time > since).order_by(SwarmPoint.time.desc())
+                             .limit(limit)).all()
+            return [{"time": r.time, "epoch": r.epoch, "loss": r.loss, "active_peers": r.active_peers,
+                     "samples_per_second": r.samples_per_second} for r in reversed(rows)]
+
+    def metrics(self, *, limit: int = 1000, peer_id: str | None = None) -> list[dict]:
+        with self.session() as s:
+            query = select(MetricsReport)
+            if peer_id is not None:
+                query = query.where(MetricsReport.peer_id == peer_id)
+            rows = s.scalars(query.order_by(MetricsReport.time.desc()).limit(limit)).all()
+            return [{"peer_id": r.peer_id, "user": r.user, "time": r.time, "epoch": r.epoch, "loss": r.loss,
+                     "samples": r.samples, "samples_per_second": r.samples_per_second, "steps": r.steps,
+                     "client_mode": r.client_mode, "last_round_peers": r.last_round_peers,
+                     "swarm_peers": r.swarm_peers} for r in reversed(rows)]
+
+    def peers(self, *, active_only: bool = False, now: float | None = None) -> list[dict]:
+        now = now or time.time()
+        with self.session() as s:
+            query = select(Peer).order_by(Peer.last_seen.desc())
+            if active_only:
+                query = query.where(Peer.last_seen > now - ACTIVE_WINDOW_S)
+            return [{"peer_id": p.peer_id, "user": p.user, "first_seen": p.first_seen, "last_seen": p.last_seen,
+                     "epoch": p.epoch, "samples_per_second": p.samples_per_second, "client_mode": p.client_mode,
+                     "last_round_epoch": p.last_round_epoch, "last_round_peers": p.last_round_peers,
+                     "loss": p.loss, "active": p.last_seen > now - ACTIVE_WINDOW_S}
+                    for p in s.scalars(query)]
+
+    def leaderboard(self, *, now: float | None = None) -> list[dict]:
+        """Per user: samples the swarm counted, compute time, last seen, active; most samples first."""
+        now = now or time.time()
+        with self.session() as s:
+            totals = {row.user: {"samples": int(row.samples or 0), "compute_s": float(row.compute_s or 0.0),
+                                 "epochs": int(row.epochs or 0)}
+                      for row in s.execute(select(Contribution.user, func.sum(Contribution.samples).label("samples"),
+                                                  func.sum(Contribution.compute_s).label("compute_s"),
+                                                  func.count(Contribution.epoch.distinct()).label("epochs"))
+                                           .group_by(Contribution.user))}
+            seen = {row.user: (row.last_seen, row.peers)
+                    for row in s.execute(select(Peer.user, func.max(Peer.last_seen).label("last_seen"),
+                                                func.count(Peer.peer_id).label("peers")).group_by(Peer.user))}
+            revoked = {u.name for u in s.scalars(select(User).where(User.revoked.is_not(None)))}
+        board = []
+        for user in sorted(set(totals) | set(seen)):
+            last_seen, peers = seen.get(user, (None, 0))
+            board.append({"user": user, **totals.get(user, {"samples": 0, "compute_s": 0.0, "epochs": 0}),
+                          "peers": peers, "last_seen": last_seen, "revoked": user in revoked,
+                          "active": last_seen is not None and last_seen > now - ACTIVE_WINDOW_S})
+        board.sort(key=lambda r: (-r["samples"], r["user"]))
+        return board
+
+    def checkpoints(self, *, include_pruned: bool = False) -> list[dict]:
+        with self.session() as s:
+            query = select(Checkpoint).order_by(Checkpoint.epoch)
+            if not include_pruned:
+                query = query.where(Checkpoint.pruned.is_(False))
+            return [{"name": c.name, "epoch": c.epoch, "loss": c.loss, "time": c.time, "files": json.loads(c.files),
+                     "pruned": c.pruned} for c in s.scalars(query)]
+
+    def samples(self, *, limit: int = 200) -> list[dict]:
+        with self.session() as s:
+            rows = s.scalars(select(Sample).order_by(Sample.epoch.desc(), Sample.id).limit(limit)).all()
+            return [{"checkpoint": r.checkpoint, "epoch": r.epoch, "prompt": r.prompt, "path": r.path,
+                     "held_out": r.held_out, "time": r.time} for r in rows]

@@ -1,0 +1,135 @@
+"""Access tokens, peer identities, and the guard in front of the averagers (no processes)."""
+
+import asyncio
+import time
+
+import pytest
+from hivemind.p2p import PeerID
+
+from crowdtrain.coordinator.tokens import CoordinatorKey, verify_token
+from crowdtrain.swarm.auth import (AccessGuard, SwarmAuthorizer, _GuardedHandlers, from_proto, load_identity,
+                                   peer_id_of, to_proto)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    coordinator = CoordinatorKey.load_or_create(d / "coordinator.pem")
+    peer = load_identity(d / "peer.key")
+    other = load_identity(d / "other.key")
+    return d, coordinator, peer, other
+
+
+def test_a_token_binds_user_key_and_expiry_and_any_change_breaks_it(keys):
+    d, coordinator, peer, _ = keys
+    public = peer.get_public_key().to_bytes()
+    token = coordinator.issue("alice", public, lifetime_s=60)
+    assert verify_token(token, coordinator.public_key)
+    assert from_proto(to_proto(token)) == {k: token[k] for k in ("username", "public_key", "expiration_time",
+                                                                 "signature")}
+    for field, value in [("username", "mallory"), ("expiration_time", f"{time.time() + 9999:.3f}"),
+                         ("public_key", keys[3].get_public_key().to_bytes().decode())]:
+        assert not verify_token({**token, field: value}, coordinator.public_key), field
+    assert not verify_token(token, CoordinatorKey.load_or_create(d / "impostor.pem").public_key)
+    assert not verify_token(coordinator.issue("alice", public, lifetime_s=-1), coordinator.public_key), "expired"
+    assert not verify_token({"username": "alice"}, coordinator.public_key), "malformed"
+    with pytest.raises(ValueError, match="OpenSSH RSA public key"):
+        coordinator.issue("alice", b"not a key", lifetime_s=60)
+
+
+def test_the_coordinator_key_persists_and_a_corrupt_one_is_named(keys, tmp_path):
+    d, coordinator, _, _ = keys
+    assert CoordinatorKey.load_or_create(d / "coordinator.pem").public_key == coordinator.public_key
+    (tmp_path / "bad.pem").write_text("garbage")
+    with pytest.raises(ValueError, match="bad.pem is not a PEM private key"):
+        CoordinatorKey.load_or_create(tmp_path / "bad.pem")
+
+
+def test_the_peer_id_follows_from_the_public_key_in_the_token(keys):
+    d, _, peer, other = keys
+    assert peer_id_of(peer.get_public_key().to_bytes()) == PeerID.from_identity((d / "peer.key").read_bytes())
+    assert peer_id_of(other.get_public_key().to_bytes()) != peer_id_of(peer.get_public_key().to_bytes())
+    assert load_identity(d / "peer.key").get_public_key().to_bytes() == peer.get_public_key().to_bytes()
+
+
+def test_the_dht_authorizer_accepts_only_coordinator_signed_live_tokens(keys):
+    d, coordinator, peer, _ = keys
+    public = peer.get_public_key().to_bytes()
+    authorizer = SwarmAuthorizer(peer, coordinator.public_key, lambda: coordinator.issue("a", public, lifetime_s=60),
+                                 refresh_margin_s=20)
+    good = to_proto(coordinator.issue("alice", public, lifetime_s=60))
+    assert authorizer.is_token_valid(good) and not authorizer.does_token_need_refreshing(good)
+    assert authorizer.does_token_need_refreshing(to_proto(coordinator.issue("alice", public, lifetime_s=10)))
+    forged = to_proto(CoordinatorKey.load_or_create(d / "forger.pem").issue("alice", public, lifetime_s=60))
+    assert not authorizer.is_token_valid(forged)
+    assert asyncio.run(authorizer.get_token()).username == "a"
+
+
+class _FakeDHT:
+    def __init__(self, tokens):
+        self.tokens, self.lookups = tokens, 0
+
+    async def get(self, key, latest, return_future):
+        self.lookups += 1
+
+        class Entry:
+            def __init__(self, value):
+                self.value = value
+
+        return Entry({i: Entry(t) for i, t in enumerate(self.tokens)})
+
+
+def test_the_averaging_guard_admits_token_holders_and_refuses_the_rest(keys):
+    d, coordinator, peer, other = keys
+    pid, stranger = peer_id_of(peer.get_public_key().to_bytes()), peer_id_of(other.get_public_key().to_bytes())
+    forged = CoordinatorKey.load_or_create(d / "forger.pem").issue("x", other.get_public_key().to_bytes(),
+                                                                  lifetime_s=60)
+    dht = _FakeDHT([coordinator.issue("alice", peer.get_public_key().to_bytes(), lifetime_s=60), forged])
+    guard = AccessGuard(run_id="r", coordinator_public_key=coordinator.public_key, lookup_interval_s=0.0)
+
+    class Averager:  # stands in for a hivemind averager: a unary and a streaming handler
+        def __init__(self):
+            self.dht = dht
+
+        async def rpc_join(self, request, context):
+            return f"joined {request}"
+
+        async def rpc_parts(self, request, context):
+            for i in range(3):
+                yield i
+
+    class Handler:
+        def __init__(self, name, stream_output):
+            self.method_name, self.stream_output = name, stream_output
+
+    class Context:
+        def __init__(self, remote_id):
+            self.remote_id = remote_id
+
+    wrapped = _GuardedHandlers(Averager(), guard, [Handler("rpc_join", False), Handler("rpc_parts", True)])
+
+    async def scenario():
+        assert await wrapped.rpc_join("r1", Context(pid)) == "joined r1"
+        assert [x async for x in wrapped.rpc_parts(None, Context(pid))] == [0, 1, 2]
+        with pytest.raises(PermissionError, match="no valid access token"):
+            await wrapped.rpc_join("r2", Context(stranger))
+        with pytest.raises(PermissionError):
+            [x async for x in wrapped.rpc_parts(None, Context(stranger))]
+
+    asyncio.run(scenario())
+    assert guard.refused == 2
+    lookups = dht.lookups
+    asyncio.run(wrapped.rpc_join("r3", Context(pid)))
+    assert dht.lookups == lookups, "admitted peers are cached until their token expires"
+
+    # Rate-limited lookups: a flood of strangers costs at most one DHT lookup per interval.
+    slow_guard = AccessGuard(run_id="r", coordinator_public_key=coordinator.public_key, lookup_interval_s=3600)
+    dht.lookups = 0
+
+    async def flood():
+        for _ in range(20):
+            with pytest.raises(PermissionError):
+                await slow_guard.check(dht, stranger)
+
+    asyncio.run(flood())
+    assert dht.lookups == 1

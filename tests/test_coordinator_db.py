@@ -1,0 +1,120 @@
+"""The coordinator's database and its token endpoint: users, contributions, limits, restarts."""
+
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from crowdtrain.coordinator.db import Store, default_url
+from crowdtrain.coordinator.service import AuthSettings, create_app
+from crowdtrain.coordinator.tokens import CoordinatorKey, verify_token
+from crowdtrain.swarm.auth import load_identity
+
+
+def metrics(peer_id, t, *, user="claimed", epoch=1, loss=3.0, samples=64):
+    return {"peer_id": peer_id, "user": user, "time": t, "epoch": epoch, "loss": loss, "samples": samples,
+            "samples_per_second": 10.0, "steps": 4, "client_mode": False, "last_round_peers": 2, "swarm_peers": 2}
+
+
+def test_users_keys_and_revocation(tmp_path):
+    store = Store(default_url(tmp_path))
+    key = store.add_user("alice")
+    assert store.user_for_key(key) == "alice" and store.user_for_key("ct_wrong") is None
+    with pytest.raises(ValueError, match="revoke it first"):
+        store.add_user("alice")
+    with pytest.raises(ValueError, match="user names"):
+        store.add_user("bad name!")
+    store.revoke_user("alice")
+    assert store.user_for_key(key) is None and store.is_revoked("alice")
+    fresh = store.add_user("alice")
+    assert store.user_for_key(fresh) == "alice" and store.user_for_key(key) is None, "old key stays dead"
+    with pytest.raises(ValueError, match="no user 'bob'"):
+        store.revoke_user("bob")
+    assert "ct_" not in str(store.list_users()), "only hashes are stored"
+
+
+def test_leaderboard_counts_swarm_samples_under_the_authenticated_user_and_survives_a_restart(tmp_path):
+    url = default_url(tmp_path)
+    store = Store(url)
+    store.peer_joined("peerA", "alice", "ssh-rsa AAA")
+    now = time.time()
+    assert store.record_metrics([metrics("peerA", now, user="bob-impersonator"), metrics("peerB", now - 600, user="bob")]) == 2
+    assert store.record_metrics([metrics("peerA", now)]) == 0, "a record is stored once"
+    for epoch, samples in [(1, 100), (2, 80), (2, 120)]:
+        store.record_contribution(peer_id="peerA", epoch=epoch, samples=samples, samples_per_second=10.0)
+    store.record_contribution(peer_id="peerB", epoch=1, samples=50, samples_per_second=5.0)
+    store.record_swarm_point(epoch=2, loss=3.0, active_peers=2, samples_per_second=15.0)
+    board = store.leaderboard()
+    assert [(r["user"], r["samples"]) for r in board] == [("alice", 220), ("bob", 50)]
+    assert board[0]["compute_s"] == pytest.approx(22.0)
+    assert board[0]["active"] and not board[1]["active"], "bob last reported ten minutes ago"
+    assert store.metrics()[-1]["user"] == "alice", "the name a record claims is not trusted"
+    history, peers = store.swarm_history(), store.peers()
+    store.close()
+
+    reopened = Store(url)  # a coordinator restart
+    assert reopened.leaderboard() == board and reopened.swarm_history() == history and reopened.peers() == peers
+
+
+def test_concurrent_counter_bumps_from_threads_all_count(tmp_path):
+    store = Store(default_url(tmp_path))
+    threads = [threading.Thread(target=lambda: [store.bump("hits") for _ in range(20)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.counters()["hits"] == 80
+
+
+@pytest.fixture
+def identity(tmp_path):
+    return load_identity(tmp_path / "peer.key").get_public_key().to_bytes().decode()
+
+
+def client_for(tmp_path, **auth):
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    store = Store(default_url(run))
+    settings = AuthSettings(key_path=run / "coordinator_key.pem", **auth)
+    return TestClient(create_app(run, store=store, auth=settings)), store, CoordinatorKey.load_or_create(
+        run / "coordinator_key.pem")
+
+
+def test_open_runs_issue_tokens_bound_to_the_peer_key(tmp_path, identity):
+    client, store, key = client_for(tmp_path, mode="open", token_lifetime_s=60)
+    r = client.post("/api/token", json={"public_key": identity, "peer_id": "QmPeer", "user": "carol"})
+    assert r.status_code == 200, r.text
+    token = r.json()
+    assert token["username"] == "carol" and token["public_key"] == identity and verify_token(token, key.public_key)
+    assert store.user_of_peer("QmPeer") == "carol"
+    assert client.post("/api/token", json={"public_key": identity, "user": "coordinator"}).status_code == 422
+    assert client.post("/api/token", json={"public_key": identity, "user": "<b>x</b>"}).status_code == 422
+
+
+def test_allowlist_runs_want_a_live_key(tmp_path, identity):
+    client, store, key = client_for(tmp_path, mode="allowlist")
+    r = client.post("/api/token", json={"public_key": identity})
+    assert r.status_code == 401 and "--key" in r.json()["detail"]
+    api_key = store.add_user("dave")
+    auth = {"Authorization": f"Bearer {api_key}"}
+    r = client.post("/api/token", json={"public_key": identity, "user": "pretender"}, headers=auth)
+    assert r.status_code == 200 and r.json()["username"] == "dave", "the key decides the user"
+    store.revoke_user("dave")
+    r = client.post("/api/token", json={"public_key": identity}, headers=auth)
+    assert r.status_code == 403 and "revoked" in r.json()["detail"]
+    assert client.post("/api/token", json={"public_key": identity}, headers={"Authorization": "Basic x"}).status_code == 401
+    assert store.counters()["token_requests_refused"] == 2
+
+
+def test_malformed_oversized_and_flooding_requests_get_clear_4xx(tmp_path, identity):
+    client, store, _ = client_for(tmp_path, requests_per_minute=2)
+    assert client.post("/api/token", json={"public_key": "ssh-rsa garbage"}).status_code == 422
+    assert client.post("/api/token", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 422
+    big = client.post("/api/token", content=b"x" * 100_000, headers={"Content-Type": "application/json"})
+    assert big.status_code == 413 and "too large" in big.json()["detail"]
+    assert client.post("/api/token", json={"public_key": identity}).status_code == 200  # the 2nd this minute
+    r = client.post("/api/token", json={"public_key": identity})
+    assert r.status_code == 429 and "too many" in r.json()["detail"]
+    assert store.counters()["token_requests_rate_limited"] == 1
+    assert client.get("/api/history?limit=0").status_code == 422
