@@ -135,6 +135,29 @@ def resolve_shards(config: CoordinatorConfig) -> Path | None:
     raise FileNotFoundError(f"--data {config.data!r} is neither a shard folder, a URL, a hub id nor 'shapes'")
 
 
+def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
+    """An auxiliary peer of this run still alive (its coordinator crashed or was killed) holds the
+    DHT port and identity; end it before starting a new one."""
+    import os
+    import signal
+
+    pid_file = run_dir / "aux.pid"
+    try:
+        pid = int(pid_file.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except (FileNotFoundError, ValueError, OSError):
+        return
+    if "crowdtrain.swarm.aux_peer" not in cmdline:
+        return  # the pid was reused by something else
+    logger.warning("ending the auxiliary peer left over from a previous start (pid %d)", pid)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.2)
+    if Path(f"/proc/{pid}").exists():
+        os.kill(pid, signal.SIGKILL)
+
+
 def run_coordinator(config: CoordinatorConfig) -> int:
     import uvicorn
 
@@ -146,6 +169,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     shards_dir = resolve_shards(config)
     spec = build_spec(config, shards_dir)
     (run_dir / "coordinator.json").write_text(json.dumps(spec, indent=2))
+    _end_leftover_aux(run_dir)
     for stale in ("run.json", "status.json"):  # from a previous start: the new aux peer rewrites them
         (run_dir / stale).unlink(missing_ok=True)
     log = open(run_dir / "aux.log", "a")

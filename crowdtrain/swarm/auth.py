@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import multiprocessing as mp
 import os
 import threading
 import time
@@ -226,7 +227,13 @@ class AccessGuard:
         self._allowed: dict[PeerID, tuple[float, str]] = {}
         self._last_lookup = -float("inf")
         self._lock: asyncio.Lock | None = None
-        self.refused = 0
+        # Shared memory: the checks run in averager processes forked after this object is made.
+        self._refused = mp.Value("q", 0)
+
+    @property
+    def refused(self) -> int:
+        """Requests refused so far, by all averagers using this guard."""
+        return self._refused.value
 
     def _is_allowed(self, peer_id: PeerID) -> bool:
         entry = self._allowed.get(peer_id)
@@ -253,7 +260,8 @@ class AccessGuard:
                 if found is not None and isinstance(found.value, dict):
                     self.learn([entry.value for entry in found.value.values() if isinstance(entry.value, dict)])
         if not self._is_allowed(peer_id):
-            self.refused += 1
+            with self._refused.get_lock():
+                self._refused.value += 1
             raise PermissionError(f"refused: peer {peer_id} has no valid access token for run {self.run_id!r} "
                                   "(join with `crowdtrain join URL --key KEY`)")
 
@@ -291,8 +299,10 @@ def guarded(averager_cls: type, guard: AccessGuard | None) -> type:
         wrapper = _GuardedHandlers(self, guard, self._rpc_handlers)
         await averager_cls.add_p2p_handlers(self, p2p, wrapper, namespace=namespace, balanced=balanced)
 
-    return type(f"Guarded{averager_cls.__name__}", (averager_cls,), {"add_p2p_handlers": add_p2p_handlers,
-                                                                     "access_guard": guard})
+    # The same class name: hivemind derives RPC protocol names from it, and peers must speak the same.
+    return type(averager_cls.__name__, (averager_cls,), {"add_p2p_handlers": add_p2p_handlers,
+                                                          "access_guard": guard,
+                                                          "__module__": averager_cls.__module__})
 
 
 def identity_path_for(cache_dir: str | Path, run_id: str, user: str) -> Path:

@@ -262,9 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s aux: %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(1)  # the aux peer does no heavy compute; leave the cores to trainers
-    peer = AuxPeer(Path(argv[0]))
+    run_dir = Path(argv[0])
+    (run_dir / "aux.pid").write_text(str(os.getpid()))  # a restarted coordinator ends a leftover of ours
+    peer = AuxPeer(run_dir)
+
+    def stop(*_):
+        # Leave at the next loop turn; if a long call (a state download) blocks it, go anyway.
+        peer.stop.set()
+        threading.Timer(20.0, lambda: os._exit(0)).start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: peer.stop.set())
+        signal.signal(sig, stop)
     peer.run()
     return 0
 

@@ -1,0 +1,93 @@
+"""Authentication with real processes: only invited users train; strangers are refused on the DHT
+and at the averagers; a revoked user's peers drop out; the database survives a restart."""
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.proto import averaging_pb2
+
+from tests.swarm_harness import Swarm, get_json
+
+LIFETIME_S = 20
+
+
+def add_user(run_dir, name) -> str:
+    out = subprocess.run([sys.executable, "-m", "crowdtrain.cli", "users", "add", name, "--run-dir", str(run_dir)],
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    return re.search(r"(ct_\S+)", out).group(1)
+
+
+async def call_as_stranger(maddrs: list[str], peer_id: str, averager_cls, namespace: str, method: str, request):
+    """A libp2p peer with no token calls an averager RPC directly, bypassing the DHT."""
+    p2p = await P2P.create(initial_peers=maddrs)
+    try:
+        stub = averager_cls.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
+        stream = await getattr(stub, method)(request)
+        return [msg async for msg in stream]
+    finally:
+        await p2p.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_allowlist_run_admits_keys_refuses_strangers_revokes_and_keeps_its_history(tmp_path):
+    swarm = Swarm(tmp_path, swarm={"checkpoint_every_epochs": 2})
+    try:
+        keys = {name: add_user(swarm.run_dir, name) for name in ("alice", "bob")}
+        info = swarm.start_coordinator(extra=["--auth", "allowlist", "--token-lifetime-s", str(LIFETIME_S),
+                                              "--samples-every", "0"])
+        assert info["auth"]["mode"] == "allowlist"
+        swarm.join("alice", batch_size=16, max_epochs=1000, extra=["--key", keys["alice"]])
+        swarm.join("bob", batch_size=8, max_epochs=1000, extra=["--key", keys["bob"]])
+        # No key, or a made-up one: refused before any p2p start-up, with the fix in the message.
+        nokey = swarm.join("mallory", batch_size=8, max_epochs=1)
+        badkey = swarm.join("eve", batch_size=8, max_epochs=1, extra=["--key", "ct_made_up"])
+        assert nokey.wait(120) != 0 and "admits invited users only" in swarm.log("mallory")
+        assert badkey.wait(120) != 0 and "unknown or was revoked" in swarm.log("eve")
+
+        swarm.wait_epoch(2, 240)
+        status = swarm.status()
+        alice = next(p for p in status["peers"] if p["user"] == "alice")
+        # A stranger that knows the addresses talks libp2p to the averagers directly: refused.
+        for maddrs, peer_id, cls, namespace, method, request in [
+                (info["initial_peers"], info["coordinator_peer_id"], TrainingStateAverager, "test_state_averager",
+                 "rpc_download_state", averaging_pb2.DownloadRequest()),
+                (alice["maddrs"], alice["peer_id"], GradientAverager, "test_grad_averager", "rpc_join_group",
+                 averaging_pb2.JoinRequest(group_key="test_grad_averager.0b", expiration=time.time() + 5))]:
+            with pytest.raises(Exception, match="no valid access token"):
+                asyncio.run(call_as_stranger(maddrs, peer_id, cls, namespace, method, request))
+        deadline = time.monotonic() + 30  # the auxiliary peer stores its counters every few seconds
+        while get_json(f"{swarm.url}/api/counters").get("averaging_requests_refused", 0) < 1:
+            assert time.monotonic() < deadline, get_json(f"{swarm.url}/api/counters")
+            time.sleep(1)
+
+        # Revoke bob: his token cannot be refreshed and he is out within one lifetime.
+        subprocess.run([sys.executable, "-m", "crowdtrain.cli", "users", "revoke", "bob", "--run-dir",
+                        str(swarm.run_dir)], check=True, timeout=60)
+        revoked_at = time.monotonic()
+        swarm.wait_exit("bob", LIFETIME_S + 90)
+        assert time.monotonic() - revoked_at < LIFETIME_S + 60
+        assert "refused" in swarm.summary("bob").get("stopped_because", ""), swarm.log("bob")[-2000:]
+        epoch = swarm.status()["epoch"]
+        swarm.wait_epoch(epoch + 2, 180)  # alice goes on alone
+
+        # The history and leaderboard survive a coordinator restart unchanged.
+        board = get_json(f"{swarm.url}/api/leaderboard")
+        history = get_json(f"{swarm.url}/api/history")
+        assert {r["user"] for r in board} >= {"alice", "bob"} and board[0]["samples"] > 0
+        swarm.kill("coordinator", 15)
+        swarm.start_coordinator(extra=["--auth", "allowlist", "--token-lifetime-s", str(LIFETIME_S)])
+        after = get_json(f"{swarm.url}/api/history")
+        assert after[:len(history)] == history
+        board_after = {r["user"]: r for r in get_json(f"{swarm.url}/api/leaderboard")}
+        for row in board:
+            assert board_after[row["user"]]["samples"] >= row["samples"]
+        assert board_after["bob"]["revoked"]
+    finally:
+        swarm.close()
