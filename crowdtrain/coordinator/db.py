@@ -23,7 +23,7 @@ from pathlib import Path
 from sqlalchemy import (Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event,
                         func, select, update)
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 ACTIVE_WINDOW_S = 60.0  # a peer that reported within this window counts as active
 

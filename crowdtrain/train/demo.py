@@ -25,6 +25,17 @@ logger = logging.getLogger(__name__)
 PEER_KINDS = [(32, 0.0), (16, 0.0), (8, 1.5)]
 
 
+def _open_in_browser(url: str) -> None:
+    """Open the dashboard where there is a screen to show it on (not on a headless server)."""
+    import webbrowser
+
+    if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin":
+        try:
+            webbrowser.open(url)
+        except webbrowser.Error:
+            pass
+
+
 def _get(url: str, timeout: float = 5.0):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
@@ -74,7 +85,9 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
                 if coordinator.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the coordinator did not start; see {out / 'logs' / 'coordinator.log'}")
                 time.sleep(0.5)
-        print(f"\ncoordinator up at {url}  (status: {url}/api/status, API docs: {url}/docs)")
+        print(f"\ncoordinator up at {url}\n\n    dashboard: {url}/dashboard   (leaderboard, peers, checkpoints, "
+              f"samples; API docs at {url}/docs)\n")
+        _open_in_browser(f"{url}/dashboard")
         for i in range(peers):
             batch, step_s = PEER_KINDS[i % len(PEER_KINDS)]
             name = f"peer{i + 1}"
