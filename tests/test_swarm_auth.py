@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import hivemind
 import pytest
 from hivemind.p2p import P2P, PeerID
 from hivemind.optim.grad_averager import GradientAverager
@@ -50,6 +51,10 @@ def test_allowlist_run_admits_keys_refuses_strangers_revokes_and_keeps_its_histo
         badkey = swarm.join("eve", batch_size=8, max_epochs=1, extra=["--key", "ct_made_up"])
         assert nokey.wait(120) != 0 and "admits invited users only" in swarm.log("mallory")
         assert badkey.wait(120) != 0 and "unknown or was revoked" in swarm.log("eve")
+
+        # A DHT peer without a token gets no answers: it cannot even bootstrap.
+        with pytest.raises(RuntimeError, match="bootstrap failed"):
+            hivemind.DHT(initial_peers=info["initial_peers"], start=True)
 
         swarm.wait_epoch(2, 240)
         status = swarm.status()
