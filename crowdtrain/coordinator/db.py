@@ -227,10 +227,11 @@ class Store:
         now = time.time()
         with self.session.begin() as s:
             peer = s.get(Peer, peer_id)
+            # last_seen follows metrics only (the peers' clocks): a token refresh is not training.
             if peer is None:
-                s.add(Peer(peer_id=peer_id, user=user, public_key=public_key, first_seen=now, last_seen=now))
+                s.add(Peer(peer_id=peer_id, user=user, public_key=public_key, first_seen=now, last_seen=0.0))
             else:
-                peer.user, peer.public_key, peer.last_seen = user, public_key, now
+                peer.user, peer.public_key = user, public_key
 
     def user_of_peer(self, peer_id: str) -> str | None:
         with self.session() as s:
@@ -250,7 +251,7 @@ class Store:
                 peer = s.get(Peer, r["peer_id"])
                 if peer is None:
                     peer = Peer(peer_id=r["peer_id"], user=r.get("user", "anonymous"), first_seen=r["time"],
-                                last_seen=r["time"])
+                                last_seen=0.0)
                     s.add(peer)
                 s.add(MetricsReport(peer_id=r["peer_id"], user=peer.user, time=r["time"], epoch=r["epoch"],
                                     loss=r["loss"], samples=r["samples"], samples_per_second=r["samples_per_second"],
@@ -349,7 +350,7 @@ class Store:
             query = select(Peer).order_by(Peer.last_seen.desc())
             if active_only:
                 query = query.where(Peer.last_seen > now - ACTIVE_WINDOW_S)
-            return [{"peer_id": p.peer_id, "user": p.user, "first_seen": p.first_seen, "last_seen": p.last_seen,
+            return [{"peer_id": p.peer_id, "user": p.user, "first_seen": p.first_seen, "last_seen": p.last_seen or None,
                      "epoch": p.epoch, "samples_per_second": p.samples_per_second, "client_mode": p.client_mode,
                      "last_round_epoch": p.last_round_epoch, "last_round_peers": p.last_round_peers,
                      "loss": p.loss, "active": p.last_seen > now - ACTIVE_WINDOW_S}
@@ -372,6 +373,7 @@ class Store:
         board = []
         for user in sorted(set(totals) | set(seen)):
             last_seen, peers = seen.get(user, (None, 0))
+            last_seen = last_seen or None  # 0: joined, never reported metrics
             board.append({"user": user, **totals.get(user, {"samples": 0, "compute_s": 0.0, "epochs": 0}),
                           "peers": peers, "last_seen": last_seen, "revoked": user in revoked,
                           "active": last_seen is not None and last_seen > now - ACTIVE_WINDOW_S})

@@ -104,7 +104,7 @@ def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
     return {
         "swarm": swarm.to_dict(),
         "task": {"name": "dalle", "model": model.to_dict(), "data": data},
-        "dht_host": config.dht_host, "dht_port": config.dht_port, "identity": str(Path(config.identity).resolve()),
+        "dht_host": config.dht_host, "dht_port": config.dht_port, "public_host": config.public_host, "identity": str(Path(config.identity).resolve()),
         "checkpoint_dir": str(Path(config.checkpoint_dir).resolve()), "keep_checkpoints": config.keep_checkpoints,
         "text_tokenizer": ({"url": f"{config.url}/assets/text_tokenizer.json", "sha256": _sha256(text_tokenizer),
                             "path": str(text_tokenizer)} if needs_tokenizer else None),
@@ -194,7 +194,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
                          auth=AuthSettings(mode=config.auth, key_path=config.key_path,
                                            token_lifetime_s=config.token_lifetime_s,
                                            requests_per_minute=config.token_requests_per_minute),
-                         public_url=config.url)
+                         public_url=config.url, checkpoint_dir=config.checkpoint_dir)
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
     finally:
         aux.terminate()

@@ -107,11 +107,12 @@ def run_status(run_dir: Path, store: Store) -> dict:
 
 def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | None = None,
                text_tokenizer: str | Path | None = None, auth: AuthSettings | None = None,
-               public_url: str = "http://127.0.0.1:8000") -> FastAPI:
+               public_url: str = "http://127.0.0.1:8000", checkpoint_dir: str | Path | None = None) -> FastAPI:
     from crowdtrain.coordinator.pages import create_router as pages_router
     from crowdtrain.memcalc.web import create_router as memcalc_router
 
     run_dir = Path(run_dir)
+    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else run_dir / "checkpoints"
     auth = auth or AuthSettings(key_path=run_dir / "coordinator_key.pem")
     signing_key = CoordinatorKey.load_or_create(auth.key_path)
     limiter = RateLimiter(auth.requests_per_minute)
@@ -135,7 +136,8 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
         return await call_next(request)
 
     app.include_router(memcalc_router("/memcalc"))  # the memory calculator page, for volunteers sizing a GPU
-    app.include_router(pages_router(run_dir=run_dir, store=store, public_url=public_url, auth_mode=auth.mode))
+    app.include_router(pages_router(run_dir=run_dir, store=store, public_url=public_url, auth_mode=auth.mode,
+                                   checkpoint_dir=checkpoint_dir))
 
     def join_info() -> dict:
         info = _read_json(run_dir / "run.json")
@@ -230,7 +232,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     def checkpoint_file(name: str, filename: str):
         if filename not in CHECKPOINT_FILES:
             raise HTTPException(404, f"checkpoints hold only {sorted(CHECKPOINT_FILES)}")
-        return FileResponse(_inside(run_dir / "checkpoints", f"{name}/{filename}"),
+        return FileResponse(_inside(checkpoint_dir, f"{name}/{filename}"),
                             filename=f"{name}-{filename}" if filename != "config.json" else None)
 
     @app.get("/files/samples/{relative:path}", summary="Sample images")

@@ -49,6 +49,15 @@ from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, make_
 logger = logging.getLogger(__name__)
 
 
+def _is_ipv4(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv4Address)
+    except ValueError:
+        return False
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2))
@@ -100,6 +109,10 @@ class AuxPeer:
     def _start_dht(spec: dict, validators: list, initial_peers: list[str], authorizer) -> hivemind.DHT:
         kwargs = dict(host_maddrs=[f"/ip4/{spec['dht_host']}/tcp/{spec['dht_port']}"], identity_path=spec["identity"],
                       record_validators=validators, authorizer=authorizer, start=True)
+        public = spec.get("public_host")
+        if public and public not in ("127.0.0.1", "localhost", spec["dht_host"]) and _is_ipv4(public):
+            # Behind NAT (e.g. a cloud VM): announce the address volunteers can reach, not the private one.
+            kwargs["announce_maddrs"] = [f"/ip4/{public}/tcp/{spec['dht_port']}"]
         if initial_peers:
             try:
                 dht = hivemind.DHT(initial_peers=initial_peers, ensure_bootstrap_success=False, **kwargs)

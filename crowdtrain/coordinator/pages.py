@@ -1,0 +1,233 @@
+"""The coordinator's web pages: home, dashboard, leaderboard, peers, checkpoints, samples, join, guide.
+
+Every page is rendered on the server from the run's database (``Store``) and the files the
+auxiliary peer writes in the run folder (``run.json``, ``status.json``), so every page works
+without JavaScript. The one exception is the dashboard's live refresh: ``static/dashboard.js``
+polls ``/api/status`` and ``/api/history`` every 5 s and redraws its charts with ``Plotly.react``.
+plotly.js is served from the ``plotly`` Python package at ``/static/plotly.min.js``; nothing is
+loaded from a CDN, so the pages work on a network without the Internet.
+
+User names, prompts and peer IDs come from volunteers: templates are autoescaped, and the
+dashboard's embedded data goes through Jinja's ``tojson`` (which escapes ``<``, ``>`` and ``&``).
+No torch here, as in the rest of ``coordinator/``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import jinja2
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.templating import Jinja2Templates
+
+from crowdtrain.coordinator.db import Store
+from crowdtrain.coordinator.service import CHECKPOINT_FILES, run_status
+
+HERE = Path(__file__).resolve().parent
+GUIDE_NAME = "organize-a-run.md"
+# The guide lives in the repository's docs/ (read on GitHub) and ships in the package through a
+# symlink in coordinator/docs/ (wheels store the file itself); look in both, package first.
+GUIDE_PATHS = (HERE / "docs" / GUIDE_NAME, HERE.parents[1] / "docs" / GUIDE_NAME)
+HISTORY_POINTS = 1500  # the dashboard's charts start with the whole run, averaged down to this many points
+REFRESH_MS = 5000
+# Download links, most wanted first; the service serves exactly CHECKPOINT_FILES.
+FILE_ORDER = ("model.safetensors", "config.json", "optimizer.safetensors", "text_tokenizer.json",
+              "image_tokenizer.safetensors")
+assert set(FILE_ORDER) == CHECKPOINT_FILES
+NAV = (("/", "Home"), ("/dashboard", "Dashboard"), ("/leaderboard", "Leaderboard"), ("/peers", "Peers"),
+       ("/checkpoints", "Checkpoints"), ("/samples", "Samples"), ("/join", "Join"), ("/organize", "Organize"),
+       ("/memcalc/", "Memory calculator"), ("/docs", "API"))
+
+
+def join_command(public_url: str, auth_mode: str) -> str:
+    """The one command a volunteer runs (``YOUR_KEY``/``YOUR_NAME`` are placeholders they fill in)."""
+    return f"crowdtrain join {public_url}" + (" --key YOUR_KEY" if auth_mode == "allowlist" else " --user YOUR_NAME")
+
+
+# ---- formatting, as Jinja filters ------------------------------------------------------------------
+def fmt_duration(seconds: float | None) -> str:
+    """``3 d 4 h``, ``2 h 05 min``, ``4 min 09 s``, ``12 s``; an em dash when unknown."""
+    if seconds is None:
+        return "\u2014"
+    s = int(round(max(seconds, 0.0)))
+    days, rest = divmod(s, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{secs} s"
+
+
+def fmt_ago(ts: float | None, now: float | None = None) -> str:
+    if ts is None:
+        return "never"
+    return fmt_duration((now or time.time()) - ts) + " ago"
+
+
+def fmt_utc(ts: float | None) -> str:
+    if ts is None:
+        return "\u2014"
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def fmt_iso(ts: float | None) -> str:
+    return "" if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+
+
+def fmt_loss(value: float | None) -> str:
+    return "\u2014" if value is None else f"{value:.4f}"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def downsample(points: list[dict], max_points: int) -> list[dict]:
+    """Average consecutive points in groups so at most ``max_points`` remain (the last one is kept
+    as it is, so the chart ends at the current value). A day of 2-second samples is 43,200 points;
+    a browser draws a few thousand smoothly."""
+    if len(points) <= max_points:
+        return points
+    head, last = points[:-1], points[-1]
+    size = -(-len(head) // (max_points - 1))  # ceil: groups of this many points
+    out = []
+    for i in range(0, len(head), size):
+        group = head[i:i + size]
+        losses = [p["loss"] for p in group if p["loss"] is not None]
+        out.append({"time": sum(p["time"] for p in group) / len(group), "epoch": group[-1]["epoch"],
+                    "loss": sum(losses) / len(losses) if losses else None,
+                    "active_peers": round(sum(p["active_peers"] for p in group) / len(group), 2),
+                    "samples_per_second": sum(p["samples_per_second"] for p in group) / len(group)})
+    return out + [last]
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _templates() -> Jinja2Templates:
+    # Lenient undefined: a field missing from run.json (an older aux peer) renders blank, never a 500.
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=True,
+                             undefined=jinja2.ChainableUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(duration=fmt_duration, ago=fmt_ago, utc=fmt_utc, iso=fmt_iso, loss=fmt_loss,
+                       filesize=fmt_bytes)
+    return Jinja2Templates(env=env)
+
+
+def _plotly_js() -> Path:
+    from crowdtrain.memcalc.web import _plotly_js as path
+
+    return path()
+
+
+def _guide_html() -> str | None:
+    from markdown_it import MarkdownIt
+
+    for path in GUIDE_PATHS:
+        if path.is_file():
+            # Raw HTML in the markdown is escaped, not passed through: the page shows text only.
+            return MarkdownIt("commonmark", {"html": False}).enable("table").render(path.read_text())
+    return None
+
+
+def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: str,
+                  checkpoint_dir: Path | None = None) -> APIRouter:
+    run_dir = Path(run_dir)
+    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else run_dir / "checkpoints"
+    templates = _templates()
+    router = APIRouter(include_in_schema=False)
+    static = {"app.css": (HERE / "static" / "app.css", "text/css"),
+              "dashboard.js": (HERE / "static" / "dashboard.js", "application/javascript"),
+              "favicon.svg": (HERE / "static" / "favicon.svg", "image/svg+xml")}
+
+    def render(request: Request, template: str, page: str, **context) -> HTMLResponse:
+        info = _read_json(run_dir / "run.json") or {}
+        status = run_status(run_dir, store)
+        total = status["total_epochs"]
+        base = {"nav": NAV, "page": page, "public_url": public_url, "auth_mode": auth_mode,
+                "join_command": join_command(public_url, auth_mode), "run_id": info.get("run_id"),
+                "info": info, "model": info.get("task", {}).get("model", {}), "status": status, "now": time.time(),
+                "progress": min(status["epoch"] / total, 1.0) if total else 0.0}
+        return templates.TemplateResponse(request, template, {**base, **context})
+
+    @router.get("/", response_class=HTMLResponse)
+    def home(request: Request):
+        return render(request, "home.html", "/", leaders=store.leaderboard()[:5], checkpoints=store.checkpoints()[-1:])
+
+    @router.get("/dashboard", response_class=HTMLResponse)
+    def dashboard(request: Request):
+        history = downsample(store.swarm_history(limit=100_000), HISTORY_POINTS)
+        return render(request, "dashboard.html", "/dashboard", history=history, refresh_ms=REFRESH_MS)
+
+    @router.get("/leaderboard", response_class=HTMLResponse)
+    def leaderboard(request: Request):
+        return render(request, "leaderboard.html", "/leaderboard", board=store.leaderboard())
+
+    @router.get("/peers", response_class=HTMLResponse)
+    def peers(request: Request, show_all: bool = Query(False, alias="all")):
+        everyone = store.peers()
+        shown = everyone if show_all else [p for p in everyone if p["active"]]
+        return render(request, "peers.html", "/peers", peers=shown, show_all=show_all, seen=len(everyone))
+
+    @router.get("/checkpoints", response_class=HTMLResponse)
+    def checkpoints(request: Request):
+        rows = []
+        for ckpt in reversed(store.checkpoints()):  # newest first
+            folder = checkpoint_dir / ckpt["name"]
+            files = [{"name": f, "size": (folder / f).stat().st_size if (folder / f).is_file() else None}
+                     for f in FILE_ORDER if f in ckpt["files"]]
+            rows.append({**ckpt, "downloads": files})
+        return render(request, "checkpoints.html", "/checkpoints", checkpoints=rows)
+
+    @router.get("/samples", response_class=HTMLResponse)
+    def samples(request: Request):
+        groups: dict[str, dict] = {}
+        for s in store.samples(limit=240):  # newest checkpoint first
+            group = groups.setdefault(s["checkpoint"], {"checkpoint": s["checkpoint"], "epoch": s["epoch"],
+                                                        "time": s["time"], "items": []})
+            group["items"].append({**s, "url": f"/files/{s['path']}"})
+        return render(request, "samples.html", "/samples", groups=list(groups.values())[:6])
+
+    @router.get("/join", response_class=HTMLResponse)
+    def join(request: Request):
+        return render(request, "join.html", "/join")
+
+    @router.get("/organize", response_class=HTMLResponse)
+    def organize(request: Request):
+        html = _guide_html()
+        if html is None:
+            raise HTTPException(404, f"the organizer's guide ({GUIDE_NAME}) is not installed with this copy")
+        return render(request, "organize.html", "/organize", guide=html)
+
+    @router.get("/favicon.ico")  # browsers ask for it whatever the page says
+    def favicon():
+        return static_file("favicon.svg")
+
+    @router.get("/static/{name}")
+    def static_file(name: str):
+        if name == "plotly.min.js":  # 4.6 MB that never changes within a plotly version: cache it
+            return FileResponse(_plotly_js(), media_type="application/javascript",
+                                headers={"Cache-Control": "public, max-age=86400"})
+        if name not in static:
+            raise HTTPException(404, f"no static file {name!r}")
+        path, media_type = static[name]
+        return FileResponse(path, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+    return router

@@ -1,0 +1,96 @@
+// The dashboard's live refresh: poll the JSON API and redraw the charts with Plotly.react.
+// The page is complete without this script (numbers and a history table rendered by the server);
+// this adds the charts and keeps them current. Only new history points are fetched on each poll.
+"use strict";
+(function () {
+  const root = document.getElementById("dashboard");
+  const refreshMs = Number(root.dataset.refreshMs) || 5000;
+  const MAX_POINTS = 20000;  // keep the browser responsive on long runs
+  let history = JSON.parse(document.getElementById("history-data").textContent);
+
+  function duration(seconds) {
+    if (seconds === null || seconds === undefined) return "\u2014";
+    let s = Math.max(0, Math.round(seconds));
+    const d = Math.floor(s / 86400); s -= d * 86400;
+    const h = Math.floor(s / 3600); s -= h * 3600;
+    const m = Math.floor(s / 60); s -= m * 60;
+    const pad = (n) => String(n).padStart(2, "0");
+    if (d) return `${d} d ${h} h`;
+    if (h) return `${h} h ${pad(m)} min`;
+    if (m) return `${m} min ${pad(s)} s`;
+    return `${s} s`;
+  }
+
+  function setStat(name, text) {
+    for (const el of document.querySelectorAll(`[data-stat="${name}"]`)) el.textContent = text;
+  }
+
+  function showStatus(status) {
+    setStat("epoch", status.epoch);
+    setStat("total_epochs", status.total_epochs || "?");
+    setStat("active_peers", status.active_peers);
+    setStat("samples_per_second", status.samples_per_second.toFixed(1));
+    setStat("loss", status.loss === null ? "\u2014" : status.loss.toFixed(4));
+    setStat("eta", duration(status.eta_s));
+    const progress = status.total_epochs ? Math.min(status.epoch / status.total_epochs, 1) : 0;
+    for (const bar of document.querySelectorAll('[data-stat="progress"]')) bar.style.width = `${(progress * 100).toFixed(1)}%`;
+  }
+
+  const config = {responsive: true, displaylogo: false, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
+  function layout(yTitle, extra) {
+    return Object.assign({
+      margin: {l: 55, r: 15, t: 10, b: 40}, xaxis: {type: "date"}, yaxis: {title: {text: yTitle}},
+      showlegend: false, uirevision: "keep-zoom",  // a user's zoom survives the redraws
+    }, extra || {});
+  }
+  function trace(y, color, shape) {
+    return [{x: history.map((p) => new Date(p.time * 1000)), y: history.map(y), type: "scatter",
+             mode: history.length > 60 ? "lines" : "lines+markers", line: {color: color, shape: shape || "linear"},
+             connectgaps: false, hovertemplate: "%{y}<extra>%{x|%H:%M:%S}</extra>"}];
+  }
+
+  function draw() {
+    if (typeof Plotly === "undefined") return;
+    document.getElementById("charts").hidden = false;  // before drawing: plotly sizes charts from their box
+    Plotly.react("chart-loss", trace((p) => p.loss, "#2456c7"), layout("loss"), config);
+    Plotly.react("chart-peers", trace((p) => p.active_peers, "#17803d", "hv"), layout("peers", {yaxis: {title: {text: "peers"}, rangemode: "tozero"}}), config);
+    Plotly.react("chart-throughput", trace((p) => p.samples_per_second, "#a4530b"), layout("samples/s", {yaxis: {title: {text: "samples/s"}, rangemode: "tozero"}}), config);
+    Plotly.react("chart-epoch", trace((p) => p.epoch, "#6b3fa0", "hv"), layout("epoch", {yaxis: {title: {text: "epoch"}, rangemode: "tozero"}}), config);
+    const table = document.getElementById("history-table");  // the no-JavaScript stand-in
+    if (table) table.hidden = true;
+    const empty = document.getElementById("no-history");
+    if (empty && history.length) empty.remove();
+  }
+
+  async function poll() {
+    const live = document.getElementById("live-status");
+    try {
+      const since = history.length ? history[history.length - 1].time : 0;
+      const [statusResp, historyResp] = await Promise.all([
+        fetch("/api/status", {cache: "no-store"}),
+        fetch(`/api/history?since=${since}`, {cache: "no-store"}),
+      ]);
+      if (historyResp.ok) {
+        const fresh = await historyResp.json();
+        if (fresh.length) {
+          history = history.concat(fresh);
+          if (history.length > MAX_POINTS) history = history.slice(history.length - MAX_POINTS);
+          draw();
+        }
+      }
+      if (statusResp.ok) {
+        showStatus(await statusResp.json());
+        live.textContent = `Live: refreshed at ${new Date().toLocaleTimeString()}, every ${refreshMs / 1000} s.`;
+      } else {
+        live.textContent = "The run is starting; retrying\u2026";
+      }
+    } catch (err) {
+      live.textContent = `Coordinator unreachable (${err.message}); retrying every ${refreshMs / 1000} s\u2026`;
+    } finally {
+      setTimeout(poll, refreshMs);
+    }
+  }
+
+  draw();
+  setTimeout(poll, refreshMs);
+})();

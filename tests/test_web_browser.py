@@ -1,0 +1,168 @@
+"""The pages in a real browser after a real run: a coordinator and two volunteers (alice, bob) train
+the tiny preset as separate processes on 127.0.0.1, then chromium (through Playwright) reads the
+dashboard's plotted loss, watches it refresh, reads the leaderboard and the join command, and
+downloads a checkpoint.
+
+Needs Debian's chromium (`apt-get install -y chromium`; `.ci/run` installs it) or another one named
+by CROWDTRAIN_CHROMIUM. Without it these tests fail: they never skip. A screenshot of the
+dashboard is left in out/test_web_browser/dashboard.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import sync_playwright
+from safetensors.numpy import load as load_safetensors
+
+from tests.swarm_harness import Swarm, get_json
+
+CHROMIUM = os.environ.get("CROWDTRAIN_CHROMIUM", "/usr/bin/chromium")
+# Headless without a sandbox (containers run as root) and without chromium's own traffic to Google:
+# this machine has no outside network, and the background services would flood refused connections.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SCREENSHOT = Path(__file__).resolve().parents[1] / "out" / "test_web_browser" / "dashboard.png"
+EPOCHS = 4
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def require_chromium() -> None:
+    """A missing browser is a failure that says how to fix it, never a skip."""
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"chromium not found at {CHROMIUM}: install it (`apt-get install -y chromium`, as .ci/run "
+                    "does) or point CROWDTRAIN_CHROMIUM at a chromium binary")
+
+
+def launch_chromium(playwright):
+    require_chromium()
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished short run whose coordinator is still serving: alice and bob trained EPOCHS epochs."""
+    require_chromium()  # before two minutes of training, not after
+    swarm = Swarm(tmp_path_factory.mktemp("web"), swarm={"target_batch_size": 96, "checkpoint_every_epochs": 2,
+                                                        "matchmaking_time_s": 2.0})
+    try:
+        swarm.start_coordinator()
+        swarm.join("alice", batch_size=4, max_epochs=EPOCHS)
+        swarm.join("bob", batch_size=4, max_epochs=EPOCHS)
+        for name in ("alice", "bob"):
+            assert swarm.wait_exit(name, 200) == 0, swarm.log(name)[-3000:]
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright:
+        chromium = launch_chromium(playwright)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(trained, browser):
+    """A page that records every request that leaves the coordinator and every script error."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    page = context.new_page()
+    page.outside, page.errors = [], []
+    page.on("request", lambda r: None if r.url.startswith(trained.url) else page.outside.append(r.url))
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.on("response", lambda r: page.errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    yield page
+    assert not page.outside, f"the page loaded resources from outside the coordinator: {page.outside}"
+    assert not page.errors, f"script errors: {page.errors}"
+    context.close()
+
+
+def plotted(page, chart: str) -> dict:
+    return page.evaluate("id => { const d = document.getElementById(id).data;"
+                         " return d ? {x: d[0].x.map(String), y: d[0].y} : null; }", chart)
+
+
+def test_dashboard_plots_the_loss_and_refreshes_live(page, trained):
+    page.goto(f"{trained.url}/dashboard")
+    page.wait_for_function("() => { const d = document.getElementById('chart-loss').data;"
+                           " return d && d[0].y.filter(v => v !== null).length >= 3; }", timeout=60_000)
+    loss = plotted(page, "chart-loss")
+    values = [v for v in loss["y"] if v is not None]
+    assert all(math.isfinite(v) and 0 < v < 20 for v in values), values
+    # The chart plots what the swarm reported (that training lowers it is tests/test_swarm.py's job).
+    history = get_json(f"{trained.url}/api/history")
+    assert values == [p["loss"] for p in history if p["loss"] is not None][:len(values)]
+    assert max(plotted(page, "chart-peers")["y"]) == 2  # alice and bob together
+    assert max(plotted(page, "chart-throughput")["y"]) > 0
+    assert max(plotted(page, "chart-epoch")["y"]) >= EPOCHS - 1
+    status = get_json(f"{trained.url}/api/status")
+    assert page.inner_text('[data-stat="epoch"]') == str(status["epoch"])
+    assert page.inner_text('[data-stat="total_epochs"]') == str(status["total_epochs"])
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Live: the auxiliary peer records the swarm every 2 s; the page polls every 5 s and redraws.
+    before = len(loss["x"])
+    page.wait_for_function(f"() => document.getElementById('chart-loss').data[0].x.length > {before}",
+                           timeout=30_000)
+    assert page.inner_text("#live-status").startswith("Live: refreshed")
+    assert not page.locator("#history-table").is_visible()  # the no-JavaScript table gave way to the charts
+
+
+def test_leaderboard_lists_both_volunteers(page, trained):
+    page.goto(f"{trained.url}/leaderboard")
+    users = page.locator("#leaderboard tbody td.user").all_inner_texts()
+    assert {"alice", "bob"} <= set(users), users
+    board = {row["user"]: row for row in get_json(f"{trained.url}/api/leaderboard")}
+    for row in page.locator("#leaderboard tbody tr").all():
+        cells = row.locator("td").all_inner_texts()
+        if cells[1] in ("alice", "bob"):
+            assert cells[2] == f"{board[cells[1]]['samples']:,}"
+    assert sum(board[u]["samples"] for u in ("alice", "bob")) > 0, board
+
+
+def test_join_page_shows_the_command_for_this_coordinator(page, trained):
+    page.goto(f"{trained.url}/join")
+    assert page.inner_text("#join-command") == f"crowdtrain join {trained.url} --user YOUR_NAME"
+    page.click("text=memory calculator")
+    page.wait_for_url(f"{trained.url}/memcalc/")
+    assert "memory" in page.inner_text("h1").lower()
+
+
+def test_a_checkpoint_downloads_as_safetensors(page, trained):
+    page.goto(f"{trained.url}/checkpoints")
+    link = page.locator("#checkpoints a[href$='/model.safetensors']").first
+    name = link.get_attribute("href").split("/")[2]
+    with page.expect_download() as info:
+        link.click()
+    download = info.value
+    assert download.suggested_filename == f"{name}-model.safetensors"
+    data = Path(download.path()).read_bytes()
+    header_len = struct.unpack("<Q", data[:8])[0]  # safetensors: u64 header size, JSON header, raw tensors
+    header = json.loads(data[8:8 + header_len])
+    assert any("dtype" in v and "shape" in v for k, v in header.items() if k != "__metadata__")
+    tensors = load_safetensors(data)
+    assert tensors and all(math.isfinite(float(t.sum())) for t in tensors.values())
+
+
+def test_every_page_loads_from_the_nav_and_works_without_javascript(trained, browser):
+    context = browser.new_context(java_script_enabled=False)
+    page = context.new_page()
+    page.goto(f"{trained.url}/")
+    links = page.locator("header nav a").evaluate_all("links => links.map(a => a.getAttribute('href'))")
+    assert "/dashboard" in links and "/organize" in links
+    for href in links:
+        response = page.goto(f"{trained.url}{href}")
+        assert response.status == 200, href
+    page.goto(f"{trained.url}/dashboard")
+    assert page.locator("#history-table").is_visible()  # stands in for the charts
+    assert page.locator("#history-table tbody tr").count() > 0 and not page.locator("#charts").is_visible()
+    assert page.inner_text('[data-stat="epoch"]') != ""
+    context.close()
