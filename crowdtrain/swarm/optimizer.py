@@ -20,6 +20,7 @@ import torch
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.swarm.robust import RobustOptimizerMixin, make_aggregator
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,9 @@ def make_scheduler(optimizer, config: SwarmConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-class SwarmOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer that remembers how many peers each gradient-averaging round had."""
+class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
+    """hivemind.Optimizer that remembers how many peers each gradient-averaging round had, and
+    whose averagers aggregate with the run's rule (``crowdtrain.swarm.robust``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -74,9 +76,22 @@ class SwarmOptimizer(hivemind.Optimizer):
         with self._rounds_lock:
             return self.rounds[-1] if self.rounds else None
 
+    def finish_pending_updates(self) -> None:
+        """Apply the delayed optimizer step, if one is running in the background."""
+        self.state_averager.step(wait_for_delayed_updates=True)
+
 
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
-                    client_mode: bool = False, auxiliary: bool = False, verbose: bool = False) -> SwarmOptimizer:
+                    client_mode: bool = False, auxiliary: bool = False, verbose: bool = False, attack=None):
+    """The run's optimizer for its ``mode``: SwarmOptimizer (sync) or DiLoCoOptimizer (diloco).
+
+    ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends.
+    """
+    if config.mode == "diloco":
+        from crowdtrain.swarm.diloco import DiLoCoOptimizer
+
+        return DiLoCoOptimizer(dht=dht, model=model, config=config, batch_size=batch_size, client_mode=client_mode,
+                               attack=attack, verbose=verbose)
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
@@ -89,6 +104,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
         delay_grad_averaging=config.delay_optimizer_step,
         grad_compression=compression, state_averaging_compression=compression, load_state_compression=compression,
         client_mode=client_mode, auxiliary=auxiliary, verbose=verbose,
+        aggregator=make_aggregator(config), attack=attack,
         # request_timeout below min_matchmaking_time avoids rare matchmaking deadlocks.
         averager_opts=dict(request_timeout=min(1.0, config.matchmaking_time_s / 3)),
         tracker_opts=dict(min_refresh_period=0.5, max_refresh_period=max(2.0, config.matchmaking_time_s)),
