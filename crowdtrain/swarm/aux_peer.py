@@ -94,12 +94,17 @@ class AuxPeer:
                                   lifetime_s=self.auth["token_lifetime_s"]).start()
         self.model = DalleTransformer(self.model_config)
         compression = PaperCompression(self.swarm.compression_threshold)
-        self.averager = guarded(TrainingStateAverager, self.guard)(
-            dht=self.dht, prefix=f"{self.swarm.run_id}_state_averager",
-            optimizer=partial(make_lamb, config=self.swarm), scheduler=partial(make_scheduler, config=self.swarm),
-            params=param_groups(self.model, self.swarm.weight_decay), compression=compression,
-            state_compression=compression, min_matchmaking_time=self.swarm.matchmaking_time_s,
-            allow_state_sharing=True, start=True)
+        if self.swarm.mode == "diloco":  # keeps the global parameters and the outer momentum
+            from crowdtrain.swarm.diloco import DiLoCoAverager
+
+            self.averager = guarded(DiLoCoAverager, self.guard).for_model(self.dht, self.model, self.swarm)
+        else:
+            self.averager = guarded(TrainingStateAverager, self.guard)(
+                dht=self.dht, prefix=f"{self.swarm.run_id}_state_averager",
+                optimizer=partial(make_lamb, config=self.swarm), scheduler=partial(make_scheduler, config=self.swarm),
+                params=param_groups(self.model, self.swarm.weight_decay), compression=compression,
+                state_compression=compression, min_matchmaking_time=self.swarm.matchmaking_time_s,
+                allow_state_sharing=True, start=True)
         self.last_checkpoint_epoch = self._resume()
         self.seen: dict[str, float] = {}
         self.checkpoints_written = 0

@@ -6,13 +6,30 @@ Tuning by symptom:
 - Rounds that time out while data is still flowing: raise ``averaging_timeout_s`` to about twice
   the measured all-reduce time (slow uplinks need more).
 - Peers spending much of their time waiting on averaging: raise ``target_batch_size`` so each
-  epoch holds more compute per round of communication.
+  epoch holds more compute per round of communication, or use ``mode="diloco"``.
+
+Modes (``mode``): ``sync`` is the paper's: one global epoch = one optimizer step on gradients
+averaged over ``target_batch_size`` samples. ``diloco`` (``crowdtrain.swarm.diloco``): every
+peer steps its ``inner_optimizer`` on each local batch; one global epoch = one outer Nesterov
+step (``outer_lr``, ``outer_momentum``) on the averaged pseudo-gradient, taken when the swarm
+together has processed ``target_batch_size`` samples. ``lr``, ``betas``, ``eps``,
+``weight_decay``, ``clip_grad_norm`` and the schedule then apply to the inner optimizer;
+``average_state_every``, ``delay_optimizer_step`` and ``offload_optimizer`` to sync mode only.
+
+Aggregation (``aggregation``, ``crowdtrain.swarm.robust``): how each peer combines the parts
+it reduces in the butterfly all-reduce, in both modes: ``mean`` or ``centered_clip``
+(``clip_radius`` in units of the parts' median spread, ``clip_iterations``). Parts with NaN or
+inf are dropped whatever the rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+MODES = ("sync", "diloco")
+AGGREGATIONS = ("mean", "centered_clip")
+INNER_OPTIMIZERS = ("adamw", "lamb8bit")
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,15 @@ class SwarmConfig:
     delay_optimizer_step: bool = True  # the optimizer step overlaps the next step's compute
     offload_optimizer: bool = True  # optimizer state lives on the CPU on GPU peers
     checkpoint_every_epochs: int = 10  # the coordinator's auxiliary peer saves this often
+    mode: str = "sync"  # "sync" (average gradients every epoch) or "diloco" (see the module docstring)
+    # DiLoCo mode: the local optimizer, and the outer Nesterov SGD on pseudo-gradients (DiLoCo's defaults).
+    inner_optimizer: str = "adamw"  # "adamw" or "lamb8bit"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # How each peer combines what it reduces: "mean" or "centered_clip" (robust to attackers).
+    aggregation: str = "mean"
+    clip_radius: float = 1.0  # centered_clip: multiple of the median distance of the parts from their median
+    clip_iterations: int = 3
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -53,6 +79,19 @@ class SwarmConfig:
             raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must be below total_epochs ({self.total_epochs})")
         if self.compression_threshold < 1:
             raise ValueError("compression_threshold must be >= 1")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} (--swarm mode=diloco), got {self.mode!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS} (--swarm aggregation=centered_clip), "
+                             f"got {self.aggregation!r}")
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(f"inner_optimizer must be one of {INNER_OPTIMIZERS}, got {self.inner_optimizer!r}")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr} and "
+                             f"{self.outer_momentum}")
+        if not self.clip_radius > 0 or self.clip_iterations < 1:
+            raise ValueError(f"clip_radius must be > 0 and clip_iterations >= 1, got {self.clip_radius} and "
+                             f"{self.clip_iterations}")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -17,12 +17,12 @@ import bitsandbytes as bnb
 import hivemind
 import torch
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.state_averager import TrainingStateAverager
 
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.auth import AccessGuard, guarded
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.swarm.robust import RobustOptimizerMixin, make_aggregator
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,10 @@ def make_scheduler(optimizer, config: SwarmConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-class SwarmOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer that remembers how many peers each gradient-averaging round had, and
-    whose averagers refuse peers without a valid access token (when given an ``access_guard``)."""
+class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
+    """hivemind.Optimizer that remembers how many peers each gradient-averaging round had, whose
+    averagers aggregate with the run's rule (``crowdtrain.swarm.robust``) and refuse peers without a
+    valid access token (when given an ``access_guard``)."""
 
     def __init__(self, *args, access_guard: AccessGuard | None = None, **kwargs):
         self.access_guard = access_guard
@@ -64,15 +65,6 @@ class SwarmOptimizer(hivemind.Optimizer):
         super().__init__(*args, **kwargs)
         self._rounds_lock = threading.Lock()
         self.rounds: list[dict] = []  # {"epoch", "group_size", "swarm_peers"} per round
-
-    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        # As hivemind.Optimizer's, with the guarded class.
-        return guarded(TrainingStateAverager, self.access_guard)(
-            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         swarm_peers = self.tracker.global_progress.num_peers
@@ -91,10 +83,23 @@ class SwarmOptimizer(hivemind.Optimizer):
         with self._rounds_lock:
             return self.rounds[-1] if self.rounds else None
 
+    def finish_pending_updates(self) -> None:
+        """Apply the delayed optimizer step, if one is running in the background."""
+        self.state_averager.step(wait_for_delayed_updates=True)
+
 
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
-                    client_mode: bool = False, auxiliary: bool = False, verbose: bool = False,
-                    access_guard: AccessGuard | None = None) -> SwarmOptimizer:
+                    client_mode: bool = False, auxiliary: bool = False, verbose: bool = False, attack=None,
+                    access_guard: AccessGuard | None = None):
+    """The run's optimizer for its ``mode``: SwarmOptimizer (sync) or DiLoCoOptimizer (diloco).
+
+    ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends.
+    """
+    if config.mode == "diloco":
+        from crowdtrain.swarm.diloco import DiLoCoOptimizer
+
+        return DiLoCoOptimizer(dht=dht, model=model, config=config, batch_size=batch_size, client_mode=client_mode,
+                               attack=attack, verbose=verbose, access_guard=access_guard)
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
         access_guard=access_guard,
@@ -108,6 +113,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
         delay_grad_averaging=config.delay_optimizer_step,
         grad_compression=compression, state_averaging_compression=compression, load_state_compression=compression,
         client_mode=client_mode, auxiliary=auxiliary, verbose=verbose,
+        aggregator=make_aggregator(config), attack=attack,
         # request_timeout below min_matchmaking_time avoids rare matchmaking deadlocks.
         averager_opts=dict(request_timeout=min(1.0, config.matchmaking_time_s / 3)),
         tracker_opts=dict(min_refresh_period=0.5, max_refresh_period=max(2.0, config.matchmaking_time_s)),

@@ -44,7 +44,8 @@ class VolunteerConfig:
     summary_file: str | None = None  # write a JSON summary here when leaving
     save_final: str | None = None  # write the final parameters (safetensors) here when leaving
     model_overrides: dict = field(default_factory=dict)  # only to test refusal of a different model
-    # Fault injection for tests: "nan-every=K" makes every K-th local loss NaN (its gradients too).
+    # Fault injection for tests: "nan-every=K" makes every K-th local loss NaN (its gradients too);
+    # "attack=NAME" sends crafted tensors in every averaging round (crowdtrain.swarm.attacks).
     fault: str | None = None
     torch_threads: int | None = None
     verbose: bool = False
@@ -55,9 +56,9 @@ class VolunteerConfig:
                              f"got {self.coordinator_url!r}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.fault is not None and not (self.fault.startswith("nan-every=") and self.fault[10:].isdigit()
-                                           and int(self.fault[10:]) > 0):
-            raise ValueError(f"--inject-fault takes nan-every=K with K >= 1, got {self.fault!r}")
+        from crowdtrain.swarm.attacks import parse_fault
+
+        parse_fault(self.fault)
         if self.client_mode and self.host not in ("0.0.0.0", "127.0.0.1"):
             logger.warning("--host is ignored in --client-mode: client peers accept no connections")
 
@@ -155,6 +156,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
 
     from crowdtrain.model.config import ModelConfig
     from crowdtrain.swarm import metrics as swarm_metrics
+    from crowdtrain.swarm.attacks import attack_from_fault
     from crowdtrain.swarm.config import SwarmConfig
     from crowdtrain.swarm.optimizer import all_finite, build_optimizer
     from crowdtrain.train.local import autocast_context
@@ -197,7 +199,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     with children_ignore_sigint():
         optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
                                     client_mode=config.client_mode, verbose=config.verbose,
-                                    access_guard=access.guard)
+                                    access_guard=access.guard, attack=attack_from_fault(config.fault))
     if stop is None:
         # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
         # when they start (and never restore it), which would make Ctrl-C do nothing.
@@ -218,9 +220,10 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         # Finish the delayed optimizer step (local work), so what is saved is the state the swarm
         # agreed on, not one step behind; then say goodbye over the network, with a deadline:
         # after Ctrl-C in a terminal the p2p daemon has already exited and cannot answer.
-        _bounded(lambda: optimizer.state_averager.step(wait_for_delayed_updates=True), 60, "the last optimizer step")
+        _bounded(optimizer.finish_pending_updates, 60, "the last optimizer step")
         summary.update(summary_extra)
         summary["rounds"] = list(optimizer.rounds)
+        summary["averaging"] = optimizer.averaging_stats()
         summary["final_epoch"] = optimizer.local_epoch
         if config.save_final:
             from safetensors.torch import save_file
@@ -329,7 +332,7 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         with autocast_context(device, config.precision):
             loss = task.loss(model, batch)
-        if config.fault and (steps + dropped + 1) % int(config.fault.split("=")[1]) == 0:
+        if (config.fault or "").startswith("nan-every=") and (steps + dropped + 1) % int(config.fault[10:]) == 0:
             loss = loss * float("nan")
         loss.backward()
         grads = [p.grad for p in model.parameters()]

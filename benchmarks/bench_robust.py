@@ -1,0 +1,135 @@
+"""Robust aggregation: final loss for every attack x aggregation rule, and what centered_clip costs.
+
+Four peers (batch 16) train `tiny` on 127.0.0.1; in the attacked runs one of them sends crafted
+tensors in every averaging round (``--inject-fault attack=NAME``, see crowdtrain.swarm.attacks).
+The clean run has four honest peers. Loss = held-out loss of the three honest peers' final
+weights (mean). Both modes: sync (gradients; 384-sample epochs) and DiLoCo (pseudo-gradients;
+768-sample rounds).
+
+Cost of centered_clip: the time reducers spend aggregating per round (measured in the runs,
+mean vs centered_clip), and a micro-benchmark of one reducer's aggregation for the slice a
+peer reduces in a 4-peer group, for the tiny, demo and paper presets.
+
+    python benchmarks/bench_robust.py [--modes sync diloco] [--attacks scale sign_flip noise nan bias]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.swarm_runs import initial_loss, run  # noqa: E402
+from crowdtrain.swarm.attacks import ATTACKS  # noqa: E402
+from crowdtrain.swarm.robust import CenteredClipAggregator, MeanAggregator  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+COMMON = {"matchmaking_time_s": 3.0, "averaging_timeout_s": 30.0, "checkpoint_every_epochs": 100000}
+MODES = {
+    "sync": ({**COMMON, "mode": "sync", "target_batch_size": 384, "lr": 0.01, "warmup_epochs": 1,
+              "total_epochs": 10}, 10),
+    "diloco": ({**COMMON, "mode": "diloco", "target_batch_size": 768, "lr": 0.003, "warmup_epochs": 1,
+                "total_epochs": 6}, 6),
+}
+
+
+def one_run(tmp: Path, mode: str, aggregation: str, attack: str | None) -> dict:
+    swarm, epochs = MODES[mode]
+    peers = [(n, 16, []) for n in ("a", "b", "c")]
+    peers.append(("evil" if attack else "d", 16, ["--inject-fault", f"attack={attack}"] if attack else []))
+    result = run(tmp / f"{mode}-{aggregation}-{attack or 'clean'}", swarm={**swarm, "aggregation": aggregation},
+                 peers=peers, epochs=epochs)
+    honest = {n: result["eval_loss"][n] for n in ("a", "b", "c")}
+    reducer_s, rounds, dropped = 0.0, 0, 0
+    round_s = []
+    for name in ("a", "b", "c"):
+        stats = result["summaries"][name]["averaging"]
+        part = stats.get("gradients") or stats.get("pseudo_gradients")
+        reducer_s += part["aggregate_s"]
+        rounds += part["rounds"]
+        dropped += part["parts_dropped"]
+        round_s += [r["seconds"] for r in result["summaries"][name]["rounds"] if "seconds" in r]
+    return {"mode": mode, "aggregation": aggregation, "attack": attack or "none",
+            "loss": sum(honest.values()) / 3, "losses": honest, "reducer_s_per_round": reducer_s / max(1, rounds),
+            "round_s": sum(round_s) / len(round_s) if round_s else None, "parts_dropped": dropped,
+            "wall_s": result["wall_s"], "codes": result["codes"]}
+
+
+def micro(repeats: int = 5) -> list[dict]:
+    """Aggregation time for one peer's slice (1/4 of the parameters) from 4 senders."""
+    from crowdtrain.model import get_preset
+    from crowdtrain.model.info import build_meta_model
+
+    out = []
+    part = 2**17  # hivemind's parts: 512 KB of fp32 before compression
+    for preset in ("tiny", "demo", "paper"):
+        params = sum(p.numel() for p in build_meta_model(get_preset(preset)).parameters())
+        per_peer = params // 4
+        n_parts = max(1, -(-per_peer // part))
+        sample = [torch.randn(min(part, per_peer)) for _ in range(4)]
+        weights = [16.0] * 4
+        row = {"preset": preset, "params": params, "elements_reduced_per_peer": per_peer}
+        for rule in (MeanAggregator(), CenteredClipAggregator(clip_radius=1.0, clip_iterations=3)):
+            rule.aggregate(sample, weights)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                rule.aggregate(sample, weights)
+            row[f"{rule.name}_s_per_round"] = (time.perf_counter() - t0) / repeats * n_parts
+        row["extra_s_per_round"] = row["centered_clip_s_per_round"] - row["mean_s_per_round"]
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    parser.add_argument("--micro-only", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {"micro": micro()}
+    print("centered_clip vs mean, one reducer's slice in a 4-peer group (1 thread):")
+    for row in results["micro"]:
+        print(f"  {row['preset']:<6}{row['params'] / 1e6:>8.1f}M params: mean {row['mean_s_per_round']:.4f}s, "
+              f"centered_clip {row['centered_clip_s_per_round']:.4f}s per round (+{row['extra_s_per_round']:.4f}s)")
+    runs = results["runs"] = []
+    out = RESULTS / "bench_robust.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if not args.micro_only:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-robust-"))
+        for mode in args.modes:
+            for attack in [None, *args.attacks]:
+                for aggregation in ("mean", "centered_clip"):
+                    runs.append(one_run(tmp, mode, aggregation, attack))
+                    print(json.dumps(runs[-1]), flush=True)
+                    out.write_text(json.dumps(results, indent=2))
+        results["initial_loss"] = initial_loss()
+        for mode in args.modes:
+            clean = {r["aggregation"]: r["loss"] for r in runs if r["mode"] == mode and r["attack"] == "none"}
+            print(f"\n{mode}: final held-out loss of the honest peers (start {results['initial_loss']:.3f}); "
+                  "in brackets: vs the clean run with mean")
+            print(f"{'attack':<11}{'mean':>18}{'centered_clip':>18}")
+            for attack in ["none", *args.attacks]:
+                cells = []
+                for aggregation in ("mean", "centered_clip"):
+                    r = next(r for r in runs if (r["mode"], r["attack"], r["aggregation"]) == (mode, attack, aggregation))
+                    cells.append(f"{r['loss']:.3f} ({100 * (r['loss'] / clean['mean'] - 1):+.1f}%)")
+                print(f"{attack:<11}{cells[0]:>18}{cells[1]:>18}")
+            per_round = {a: [r["reducer_s_per_round"] for r in runs if r["mode"] == mode and r["aggregation"] == a]
+                         for a in ("mean", "centered_clip")}
+            means = {a: sum(v) / len(v) for a, v in per_round.items()}
+            print(f"reducer time per round and peer: mean {means['mean'] * 1e3:.1f} ms, centered_clip "
+                  f"{means['centered_clip'] * 1e3:.1f} ms")
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""DiLoCo mode: local inner steps, rare outer steps on the averaged pseudo-gradient.
+
+Douillard et al. 2023 ("DiLoCo: Distributed Low-Communication Training of Language Models"),
+adapted to uneven volunteers. Each peer trains its own copy with an inner optimizer (AdamW or
+the paper's 8-bit LAMB) on every local batch. One global epoch is one *outer* step, taken when
+the swarm together has processed ``target_batch_size`` samples, however they are spread: a
+slow peer is not waited for, it just contributes fewer inner steps. At that sync point every
+peer computes its pseudo-gradient ``global params - local params``, the swarm averages them
+(weighted by samples, compressed like gradients in sync mode, with the run's robust
+``aggregation``), and every peer applies the same outer Nesterov SGD step (DiLoCo's defaults:
+lr 0.7, momentum 0.9) to the global parameters and restarts its inner steps from them.
+
+Bytes: one pseudo-gradient round per outer step, instead of a gradient round and a parameter
+round per global batch in sync mode. Compute keeps going between rounds.
+
+Every peer ends a round with bit-identical global parameters: reducers send their result itself,
+compressed once, and use those bits themselves (``results_as_values`` in ``robust.py``);
+newcomers download the global parameters, the outer momentum and the epoch losslessly.
+Peers check they started from the same global parameters (a hash in the round's gathered
+data); a peer in the minority, or whose round failed while others trained, downloads the state.
+
+Tuning by symptom:
+- Loss jumps up right after each sync: the outer step overshoots; lower ``outer_lr`` or
+  ``outer_momentum``, or sync more often (lower ``target_batch_size``).
+- Loss plateaus between syncs and falls only at syncs: local copies drift apart; sync more often
+  or lower the inner ``lr``.
+- ``outer_lr=1, outer_momentum=0`` is plain parameter averaging (FedAvg), a useful baseline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
+from hivemind.compression import NoCompression
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils import get_dht_time
+
+from crowdtrain.optim import linear_warmup_decay, param_groups
+from crowdtrain.swarm.compression import PaperCompression
+from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.swarm.robust import RobustAveragerMixin, make_aggregator
+
+logger = logging.getLogger(__name__)
+
+
+def make_outer_optimizer(params: list[torch.Tensor], config: SwarmConfig) -> torch.optim.SGD:
+    """Nesterov SGD on the global parameters, with momentum buffers created up front (zeros,
+    which gives the same first step as torch's lazy buffers) so the state has a fixed layout."""
+    params = [p if isinstance(p, torch.nn.Parameter) else torch.nn.Parameter(p, requires_grad=False) for p in params]
+    outer = torch.optim.SGD(params, lr=config.outer_lr, momentum=config.outer_momentum,
+                            nesterov=config.outer_momentum > 0)
+    if config.outer_momentum > 0:
+        for p in params:
+            outer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return outer
+
+
+def make_inner_optimizer(groups: list[dict], config: SwarmConfig) -> torch.optim.Optimizer:
+    if config.inner_optimizer == "lamb8bit":
+        from crowdtrain.swarm.optimizer import make_lamb
+
+        return make_lamb(groups, config)  # clips the gradient norm itself
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+
+
+def global_param_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The order of the global parameters in the state peers exchange (that of ``param_groups``),
+    the same for trainers and the auxiliary peer."""
+    return [p for group in param_groups(model, 0.0) for p in group["params"]]
+
+
+def params_digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class DiLoCoAverager(RobustAveragerMixin, DecentralizedAverager):
+    """Averages pseudo-gradients with the swarm and serves the outer state to newcomers.
+
+    The averaged tensors are pseudo-gradient buffers. The state (``load_state_from_peers``) is
+    the global parameters, the outer momentum and the epoch, sent uncompressed: a newcomer must
+    hold exactly the bits everyone else does. The coordinator's auxiliary peer runs one too
+    (without ever averaging) to keep and checkpoint the state; it reads ``optimizer``,
+    ``local_epoch`` and ``state_sharing_priority`` as it does from hivemind's TrainingStateAverager.
+    """
+
+    def __init__(self, outer_optimizer: torch.optim.SGD, *, dht, prefix: str, **kwargs):
+        self.optimizer = outer_optimizer
+        self.global_params = [p for group in outer_optimizer.param_groups for p in group["params"]]
+        self.local_epoch = 0
+        self.state_lock = threading.Lock()  # the outer step vs a newcomer reading the state
+        buffers = [torch.zeros_like(p.data) for p in self.global_params]
+        super().__init__(averaged_tensors=buffers, dht=dht, prefix=prefix, state_compression=NoCompression(),
+                         results_as_values=True, **kwargs)
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        state = self.optimizer.state
+        return [state[p]["momentum_buffer"] for p in self.global_params if "momentum_buffer" in state[p]]
+
+    def get_current_state(self):
+        """Runs in this (host) process when a peer downloads the state."""
+        with self.state_lock:
+            tensors = [p.detach().clone() for p in self.global_params] + [m.clone() for m in self.momentum_buffers()]
+            metadata = {"kind": "diloco", "epoch": int(self.local_epoch), "params": len(self.global_params)}
+        return metadata, tensors, None
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None,
+                              min_epoch: int = 0) -> int | None:
+        """Download the newest state into the global parameters and momentum; the epoch, or None
+        (nobody to download from, or the best state is older than ``min_epoch``: keep ours)."""
+        loaded = super().load_state_from_peers(wait=True, timeout=timeout)
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        n = len(self.global_params)
+        momentum = self.momentum_buffers()
+        if not isinstance(metadata, dict) or metadata.get("kind") != "diloco":
+            logger.warning("a peer sent a state that is not a DiLoCo state (%r); ignoring it", metadata)
+            return None
+        if len(tensors) != n + len(momentum) or any(t.shape != p.shape for t, p in
+                                                    zip(tensors, self.global_params + momentum)):
+            logger.warning("a peer sent a DiLoCo state of another shape (%d tensors, %d expected); ignoring it",
+                           len(tensors), n + len(momentum))
+            return None
+        if int(metadata["epoch"]) < min_epoch:
+            logger.info("the newest state on offer is from epoch %d, older than ours (%d); keeping ours",
+                        metadata["epoch"], min_epoch)
+            return None
+        with self.state_lock, torch.no_grad():
+            for target, source in zip(self.global_params + momentum, tensors):
+                target.copy_(source)
+            self.local_epoch = int(metadata["epoch"])
+        return self.local_epoch
+
+    def _update_scheduler(self):
+        """The auxiliary peer calls this after setting ``local_epoch``; the outer rate is constant."""
+
+    @classmethod
+    def for_model(cls, dht, model: torch.nn.Module, config: SwarmConfig, **kwargs) -> "DiLoCoAverager":
+        """A state keeper whose global parameters are ``model``'s own (the auxiliary peer's)."""
+        outer = make_outer_optimizer(global_param_order(model), config)
+        return cls(outer, dht=dht, prefix=f"{config.run_id}_diloco", min_matchmaking_time=config.matchmaking_time_s,
+                   compression=PaperCompression(config.compression_threshold), allow_state_sharing=True,
+                   start=True, **kwargs)
+
+
+class DiLoCoOptimizer:
+    """The trainer's side, with the interface ``crowdtrain.swarm.peer`` uses (as SwarmOptimizer):
+    ``step()`` after ``backward()``, ``zero_grad()``, ``local_epoch``, ``load_state_from_peers()``,
+    ``rounds``/``last_round()``, ``averaging_stats()``, ``finish_pending_updates()``, ``shutdown()``."""
+
+    def __init__(self, *, dht, model: torch.nn.Module, config: SwarmConfig, batch_size: int,
+                 client_mode: bool = False, attack=None, verbose: bool = False, access_guard=None):
+        from crowdtrain.swarm.auth import guarded
+
+        self.config, self.batch_size, self.client_mode = config, batch_size, client_mode
+        groups = param_groups(model, config.weight_decay)
+        self.params = global_param_order(model)
+        self.inner = make_inner_optimizer(groups, config)
+        global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self.status_loglevel = logging.INFO if verbose else logging.DEBUG
+        self.tracker = ProgressTracker(
+            dht=dht, prefix=config.run_id, target_batch_size=config.target_batch_size, client_mode=client_mode,
+            status_loglevel=self.status_loglevel, min_refresh_period=0.5,
+            max_refresh_period=max(2.0, config.matchmaking_time_s), start=True)
+        self.averager = guarded(DiLoCoAverager, access_guard)(
+            make_outer_optimizer(global_params, config), dht=dht, prefix=f"{config.run_id}_diloco",
+            aggregator=make_aggregator(config), attack=attack,
+            compression=PaperCompression(config.compression_threshold),
+            min_matchmaking_time=config.matchmaking_time_s, request_timeout=min(1.0, config.matchmaking_time_s / 3),
+            # Rounds are rare, so wait longer for a late groupmate than sync mode does (a peer sees
+            # the sync point up to a tracker refresh after another, plus its current step).
+            allreduce_timeout=config.averaging_timeout_s,
+            next_chunk_timeout=max(config.matchmaking_time_s, config.averaging_timeout_s / 4),
+            client_mode=client_mode, start=True)
+        self.global_params = self.averager.global_params
+        self.samples_in_round = 0
+        self.scheduled = None
+        self.rounds: list[dict] = []
+        self.blocked_s = 0.0  # time the trainer spent in rounds and state downloads instead of computing
+        self._check_sync = True  # once per epoch, require exactly the swarm's epoch (as hivemind.Optimizer)
+        self._rounds_lock = threading.Lock()
+
+    # -- the interface the trainer loop uses
+
+    @property
+    def local_epoch(self) -> int:
+        return self.averager.local_epoch
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        if self._should_load_state_from_peers():
+            logger.log(self.status_loglevel, "peer is out of sync with the swarm; downloading the state")
+            t0 = time.perf_counter()
+            self.load_state_from_peers()
+            self.blocked_s += time.perf_counter() - t0
+            return  # this batch's gradient was computed from stale parameters
+        self._set_inner_lr()
+        if self.config.inner_optimizer == "adamw" and self.config.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
+        self.inner.step()
+        self.samples_in_round += self.batch_size
+        self.tracker.report_local_progress(self.local_epoch, self.samples_in_round)
+        self._maybe_schedule_round()
+        if self.tracker.ready_to_update_epoch:
+            self._outer_step()
+
+    def load_state_from_peers(self) -> None:
+        if self.scheduled is not None and not self.scheduled.done():
+            self._tag_along_with_zero_weight(self.scheduled)
+        self.scheduled = None
+        for attempt in range(3):
+            try:
+                # Never go back in epochs (e.g. to the coordinator's last checkpoint when the
+                # trainers have left): an older state would undo outer steps.
+                epoch = self.averager.load_state_from_peers(timeout=self.config.load_state_timeout_s,
+                                                            min_epoch=self.local_epoch)
+            except Exception as e:  # a peer left mid-download: try the next best one
+                logger.warning("downloading the state failed (%r); retrying", e)
+                continue
+            if epoch is None or epoch >= self.tracker.global_epoch:
+                break
+            time.sleep(1.0)  # the peers are between rounds: their new state is a moment away
+        with self.tracker.pause_updates():
+            self._restart_from_global()
+            self.samples_in_round = 0
+            self.tracker.report_local_progress(self.local_epoch, 0)
+            self._check_sync = True
+            self._share_state(group_size=0)
+
+    def last_round(self) -> dict | None:
+        with self._rounds_lock:
+            return self.rounds[-1] if self.rounds else None
+
+    def averaging_stats(self) -> dict:
+        stats = {"pseudo_gradients": self.averager.wire_stats.snapshot()}
+        stats["bytes_sent"] = stats["pseudo_gradients"]["bytes_sent"]
+        stats["blocked_s"] = self.blocked_s
+        return stats
+
+    def finish_pending_updates(self) -> None:
+        """Nothing runs in the background between rounds (the outer step is taken in ``step``)."""
+
+    def shutdown(self) -> None:
+        if self.scheduled is not None and not self.scheduled.done():
+            if self.scheduled.stage == AveragingStage.LOOKING_FOR_GROUP:
+                self.scheduled.cancel()
+            else:
+                self._tag_along_with_zero_weight(self.scheduled)
+        self.tracker.shutdown(5)
+        self.averager.shutdown()
+
+    # -- the round
+
+    def _should_load_state_from_peers(self) -> bool:
+        if self._check_sync and self.tracker.fetched_global_progress_this_epoch.is_set():
+            self._check_sync = False
+            return self.local_epoch != self.tracker.global_epoch
+        return self.local_epoch < self.tracker.global_epoch - 1
+
+    def _set_inner_lr(self) -> None:
+        # Keyed on the fractional global epoch, so the schedule moves within long rounds too.
+        progress = min(1.0, self.tracker.global_progress.samples_accumulated / self.config.target_batch_size)
+        factor = linear_warmup_decay(self.local_epoch + progress, warmup_steps=self.config.warmup_epochs,
+                                     total_steps=self.config.total_epochs)
+        for group in self.inner.param_groups:
+            group["lr"] = self.config.lr * factor
+
+    def _maybe_schedule_round(self) -> None:
+        """Start matchmaking shortly before the swarm reaches the sync point, so it overlaps compute."""
+        if self.tracker.estimated_next_update_time - get_dht_time() > self.config.matchmaking_time_s:
+            return
+        if self.scheduled is None or self.scheduled.triggered or self.scheduled.done():
+            self.scheduled = self._begin_matchmaking()
+
+    def _begin_matchmaking(self):
+        gather = {"epoch": self.local_epoch, "base": params_digest(self.global_params)}
+        return self.averager.step(gather=gather, wait=False, require_trigger=True,
+                                  timeout=self.config.averaging_timeout_s)
+
+    def _outer_step(self) -> None:
+        t0 = time.perf_counter()
+        before = self.averager.wire_stats.snapshot()
+        epoch = self.local_epoch
+        with self.tracker.pause_updates():
+            swarm_peers = self.tracker.global_progress.num_peers
+            with torch.no_grad(), self.averager.get_tensors() as buffers:
+                for buffer, g, p in zip(buffers, self.global_params, self.params):
+                    buffer.copy_(g).sub_(p.detach().to("cpu", torch.float32))  # pseudo-gradient
+            gathered = self._average(weight=self.samples_in_round)
+            group_size = len(gathered) if gathered else 1
+            # With no group (alone, or the round failed), the buffers hold our own pseudo-gradient:
+            # the outer step is that of a group of one.
+            with self.averager.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
+                for g, buffer in zip(self.global_params, buffers):
+                    g.grad = buffer
+                self.averager.optimizer.step()
+                for g in self.global_params:
+                    g.grad = None
+                self.averager.local_epoch = new_epoch = max(epoch + 1, self.tracker.global_epoch)
+            self._restart_from_global()
+            self.tracker.update_epoch(new_epoch)
+            self.samples_in_round = 0
+            self._check_sync = True
+            after = self.averager.wire_stats.snapshot()
+            missing = after["elements_missing"] - before["elements_missing"]
+            diverged = self._diverged(gathered, swarm_peers, missing)
+            self._share_state(0 if diverged else group_size)
+        record = {"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers, "seconds": time.perf_counter() - t0,
+                  "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
+                  "aggregate_s": after["aggregate_s"] - before["aggregate_s"],
+                  "parts_dropped": after["parts_dropped"] - before["parts_dropped"],
+                  "params_sha": params_digest(self.global_params), "diverged": diverged}
+        with self._rounds_lock:
+            self.rounds.append(record)
+        logger.log(self.status_loglevel, "outer step %d -> %d with %d/%d peers in %.2fs", epoch, new_epoch, group_size,
+                   swarm_peers, record["seconds"])
+        if diverged:
+            self.load_state_from_peers()
+        self.blocked_s += time.perf_counter() - t0
+
+    def _average(self, weight: int) -> dict | None:
+        """Average the pseudo-gradient buffers with the swarm; the group's gathered data, or None."""
+        control = self.scheduled
+        self.scheduled = None
+        if control is None or control.triggered or control.done():
+            if self.tracker.global_progress.num_peers <= 1:
+                return None  # alone: nobody to wait for
+            control = self._begin_matchmaking()
+        try:
+            control.weight = weight
+            control.allow_allreduce()
+            return control.result(self.config.averaging_timeout_s)
+        except BaseException as e:
+            logger.log(self.status_loglevel, "averaging pseudo-gradients failed (%r); using this peer's own", e)
+            if not control.done():
+                control.cancel()
+            return None
+
+    def _diverged(self, gathered: dict | None, swarm_peers: int, missing: int) -> bool:
+        """True when this peer's global parameters may differ from the swarm's: its round failed
+        while others train; a groupmate failed to return its slice (we kept our own there); or its
+        group started from different global parameters and ours was not the majority's (ties go
+        to the higher epoch, then the larger digest)."""
+        if not gathered:
+            return swarm_peers > 1
+        if missing:
+            logger.warning("%d averaged values never arrived (a groupmate failed); downloading the state", missing)
+            return True
+        bases = {peer: (int(d["epoch"]), str(d["base"])) for peer, d in gathered.items() if isinstance(d, dict)}
+        counts = Counter(bases.values())
+        if len(counts) <= 1:
+            return False
+        majority = max(counts, key=lambda key: (counts[key], key))
+        mine = bases.get(self.averager.peer_id)
+        logger.warning("the group started from %d different global states; %s", len(counts),
+                       "keeping ours" if mine == majority else "downloading the majority's")
+        return mine != majority
+
+    def _restart_from_global(self) -> None:
+        with torch.no_grad():
+            for p, g in zip(self.params, self.global_params):
+                p.copy_(g.to(p.device, p.dtype))
+
+    def _share_state(self, group_size: int) -> None:
+        if not self.client_mode:
+            # Newcomers download from the highest priority: the newest epoch, then the largest group.
+            self.averager.state_sharing_priority = self.local_epoch + min(group_size, 999) / 1000
+
+    def _tag_along_with_zero_weight(self, control) -> None:
+        try:
+            if not control.triggered:
+                control.weight = 0
+                control.allow_allreduce()
+            control.result(self.config.averaging_timeout_s)
+        except BaseException as e:
+            logger.debug("a round this peer tagged along failed: %r", e)
+            if not control.done():
+                control.cancel()

@@ -1,0 +1,115 @@
+"""DiLoCo mode and robust aggregation with real processes on 127.0.0.1 (`tiny`, pattern data)."""
+
+import pytest
+from safetensors.torch import load_file
+
+from crowdtrain.checkpoint import latest_checkpoint, load_optimizer_state, read_meta
+from crowdtrain.model import DalleTransformer, get_preset
+from crowdtrain.optim import param_groups
+from crowdtrain.swarm.diloco import params_digest
+from tests.swarm_harness import Swarm
+from tests.test_swarm import eval_loss, initial_loss
+
+
+@pytest.fixture
+def swarm_factory(tmp_path):
+    created = []
+
+    def make(**kwargs):
+        swarm = Swarm(tmp_path, **kwargs)
+        created.append(swarm)
+        return swarm
+
+    yield make
+    for swarm in created:
+        swarm.close()
+
+
+def digest_of(path) -> str:
+    """The digest DiLoCo peers record for their global parameters, of saved weights."""
+    model = DalleTransformer(get_preset("tiny"))
+    model.load_state_dict(load_file(str(path)))
+    return params_digest([p for group in param_groups(model, 0.0) for p in group["params"]])
+
+
+@pytest.mark.timeout(420)
+def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_up(swarm_factory):
+    # Rounds of 768 samples: about 16 inner steps per peer, several matchmaking windows.
+    swarm = swarm_factory(swarm={"mode": "diloco", "target_batch_size": 768, "lr": 0.003, "warmup_epochs": 1,
+                                 "total_epochs": 20, "checkpoint_every_epochs": 2})
+    swarm.start_coordinator()
+    epochs = 7
+    swarm.join("a", batch_size=16, max_epochs=epochs)
+    swarm.join("b", batch_size=16, max_epochs=epochs)
+    swarm.join("slow", batch_size=8, max_epochs=epochs, extra=["--simulated-step-s", "0.25"])
+    swarm.wait_epoch(1, 240)
+    swarm.join("newcomer", batch_size=16, max_epochs=epochs)
+    names = ("a", "b", "slow", "newcomer")
+    for name in names:
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    summaries = {n: swarm.summary(n) for n in names}
+    assert all(s["final_epoch"] >= epochs for s in summaries.values()), {n: s["final_epoch"] for n, s in summaries.items()}
+
+    # Right after every sync, every peer in the round holds bit-identical global parameters.
+    by_epoch: dict[int, dict[str, str]] = {}
+    for name, s in summaries.items():
+        for r in s["rounds"]:
+            if not r["diverged"]:
+                by_epoch.setdefault(r["epoch"], {})[name] = r["params_sha"]
+    for epoch, digests in by_epoch.items():
+        assert len(set(digests.values())) == 1, (epoch, digests)
+    full = [e for e, d in by_epoch.items() if {"a", "b", "slow"} <= set(d)]
+    assert len(full) >= epochs - 3, by_epoch
+    # The slow peer did fewer inner steps and was not waited for; its samples still counted.
+    assert 0 < summaries["slow"]["samples"] < summaries["a"]["samples"]
+    # Every peer leaves right after the last sync: the same bits everywhere, the newcomer's too.
+    finals = {n: digest_of(swarm.tmp / f"{n}.safetensors") for n in names}
+    assert len(set(finals.values())) == 1, finals
+
+    # The newcomer downloaded the current state (epoch and outer momentum) and took part.
+    newcomer = summaries["newcomer"]
+    assert newcomer["joined_epoch"] >= 1 and newcomer["samples"] > 0
+    shared = [r["epoch"] for r in newcomer["rounds"] if r["group_size"] >= 3 and not r["diverged"]]
+    assert shared and all(by_epoch[e]["newcomer"] == by_epoch[e]["a"] for e in shared if "a" in by_epoch[e])
+
+    # One pseudo-gradient round per epoch, fp16 on the wire for tiny: about 2 (N-1)/N copies.
+    tiny_params = sum(p.numel() for p in DalleTransformer(get_preset("tiny")).parameters())
+    full_rounds = [r for r in summaries["a"]["rounds"] if r["group_size"] == 3]
+    assert full_rounds and all(abs(r["bytes_sent"] / (2 * tiny_params * 4 / 3) - 1) < 0.15 for r in full_rounds)
+
+    # The loss went down.
+    start = initial_loss()
+    assert eval_loss(swarm.tmp / "a.safetensors") < start - 0.5
+
+    # The coordinator's auxiliary peer checkpointed the global parameters and the outer momentum.
+    checkpoint = latest_checkpoint(swarm.run_dir / "checkpoints")
+    assert checkpoint is not None and read_meta(checkpoint)["run"]["swarm"]["mode"] == "diloco"
+    step = read_meta(checkpoint)["step"]
+    assert digest_of(checkpoint / "model.safetensors") in by_epoch[step - 1].values()
+    tensors, meta = load_optimizer_state(checkpoint)
+    momentum = [t for name, t in tensors.items() if name.endswith("momentum_buffer")]
+    assert len(momentum) == len(list(DalleTransformer(get_preset("tiny")).parameters()))
+    assert sum(m.norm() for m in momentum) > 0
+
+
+@pytest.mark.timeout(360)
+def test_centered_clip_keeps_a_scaling_attacker_from_derailing_diloco(swarm_factory):
+    """Four peers, one sending its pseudo-gradient times 1000 every round. With ``mean`` the outer
+    step would move the model 250 times too far (SGD does not normalise); centered clip bounds
+    the attacker's pull (benchmarks/bench_robust.py has every attack, both rules, both modes)."""
+    swarm = swarm_factory(swarm={"mode": "diloco", "aggregation": "centered_clip", "target_batch_size": 768,
+                                 "lr": 0.003, "warmup_epochs": 1, "total_epochs": 20})
+    swarm.start_coordinator()
+    epochs = 4
+    for name in ("a", "b", "c"):
+        swarm.join(name, batch_size=16, max_epochs=epochs)
+    swarm.join("evil", batch_size=16, max_epochs=epochs, extra=["--inject-fault", "attack=scale"])
+    for name in ("a", "b", "c", "evil"):
+        assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+    start = initial_loss()
+    losses = {n: eval_loss(swarm.tmp / f"{n}.safetensors") for n in "abc"}
+    assert all(loss < start - 0.5 for loss in losses.values()), (start, losses)
+    rounds = swarm.summary("a")["rounds"]
+    assert any(r["group_size"] == 4 for r in rounds), rounds  # the attacker was in the groups
+    honest = swarm.summary("a")["averaging"]["pseudo_gradients"]
+    assert honest["parts_reduced"] > 0 and honest["bytes_sent"] > 0

@@ -1,0 +1,159 @@
+"""Robust aggregation: the pure rules, the reducer that applies them, and a real butterfly all-reduce."""
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from crowdtrain.swarm.attacks import ATTACKS, attack_from_fault, parse_fault
+from crowdtrain.swarm.config import AGGREGATIONS, SwarmConfig
+from crowdtrain.swarm.robust import (AGGREGATORS, CenteredClipAggregator, MeanAggregator, RobustTensorPartReducer,
+                                     WireStats, centered_clip, make_aggregator)
+
+
+def honest_parts(n=6, d=500, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    parts = 1.0 + 0.01 * torch.randn(n, d, generator=g)  # spread |x_i - mean| ~ 0.22
+    weights = torch.arange(1, n + 1, dtype=torch.float32)
+    return parts, weights
+
+
+def weighted_mean(parts, weights):
+    return (weights[:, None] * parts).sum(0) / weights.sum()
+
+
+def test_centered_clip_is_the_weighted_mean_when_nothing_is_clipped():
+    parts, weights = honest_parts()
+    estimate = centered_clip(parts, weights, radius=1e6, iterations=1)
+    assert torch.allclose(estimate, weighted_mean(parts, weights), atol=1e-6)
+
+
+@pytest.mark.parametrize("radius", [1.0, 5.0])
+def test_one_outlier_scaled_by_a_million_moves_centered_clip_by_at_most_the_radius(radius):
+    parts, weights = honest_parts()
+    honest = weighted_mean(parts, weights)
+    attacked = parts.clone()
+    attacked[-1] *= 1e6  # the heaviest sender attacks
+    estimate = centered_clip(attacked, weights, radius=radius, iterations=10)
+    assert (estimate - honest).norm() <= radius, (estimate - honest).norm()
+    assert (weighted_mean(attacked, weights) - honest).norm() > 1e6  # the mean is carried away
+
+
+def test_centered_clip_aggregator_resists_every_attack_and_the_mean_does_not():
+    parts, weights = honest_parts(n=4)
+    honest = weighted_mean(parts[:3], weights[:3])
+    spread = (parts[:3] - honest).norm(dim=1).max()
+    for name in ("scale", "noise", "bias"):
+        crafted = [p.clone() for p in parts]
+        crafted[3] = ATTACKS[name]().craft(crafted[3])
+        robust = CenteredClipAggregator(clip_radius=1.0, clip_iterations=3).aggregate(crafted, weights.tolist())
+        mean = MeanAggregator().aggregate(crafted, weights.tolist())
+        assert (robust - honest).norm() < 2 * spread, name
+        assert (mean - honest).norm() > 10 * spread, name
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16, 17])
+def test_coordinate_median_matches_torch(n):
+    from crowdtrain.swarm.robust import coordinate_median
+
+    parts = torch.randn(n, 257)
+    ordered = parts.sort(dim=0).values
+    assert torch.allclose(coordinate_median(parts), (ordered[(n - 1) // 2] + ordered[n // 2]) / 2)
+
+
+def test_centered_clip_radius_is_relative_so_scale_does_not_matter():
+    parts, weights = honest_parts(n=5)
+    rule = CenteredClipAggregator(clip_radius=0.5, clip_iterations=3)
+    small = rule.aggregate(list(parts * 1e-4), weights.tolist())
+    large = rule.aggregate(list(parts), weights.tolist())
+    assert torch.allclose(small * 1e4, large, rtol=1e-4)
+
+
+def test_settings_are_validated_and_every_name_has_a_rule():
+    assert set(AGGREGATIONS) == set(AGGREGATORS)
+    assert isinstance(make_aggregator(SwarmConfig(aggregation="centered_clip")), CenteredClipAggregator)
+    for bad in (dict(aggregation="median"), dict(mode="async"), dict(clip_radius=0), dict(clip_iterations=0),
+                dict(outer_momentum=1.0), dict(inner_optimizer="sgd")):
+        with pytest.raises(ValueError):
+            SwarmConfig(**bad)
+    config = SwarmConfig(mode="diloco", aggregation="centered_clip", clip_radius=2.0)
+    assert SwarmConfig.from_dict(config.to_dict()) == config  # travels in the run config as JSON
+    for name in ATTACKS:
+        assert type(attack_from_fault(f"attack={name}")).name == name
+    for bad in ("attack=flood", "nan-every=0", "nan"):
+        with pytest.raises(ValueError):
+            parse_fault(bad)
+
+
+def test_the_nan_attack_is_non_finite_everywhere():
+    crafted = ATTACKS["nan"]().craft(torch.ones(7))
+    assert not torch.isfinite(crafted).any() and torch.isnan(crafted).any() and torch.isinf(crafted).any()
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_the_reducer_drops_non_finite_parts_and_zero_weights_whatever_the_rule(aggregation):
+    config = dataclasses.replace(SwarmConfig(), aggregation=aggregation)
+
+    async def run():
+        stats = WireStats()
+        reducer = RobustTensorPartReducer([torch.Size([4]), torch.Size([2])], 4, aggregator=make_aggregator(config),
+                                          stats=stats)
+        first = [torch.ones(4), 3 * torch.ones(4), torch.full((4,), float("nan")), 100 * torch.ones(4)]
+        second = [torch.ones(2), torch.ones(2), torch.ones(2), torch.tensor([1.0, float("inf")])]
+        weights = [1.0, 1.0, 1.0, 0.0]  # the last sender tags along with zero weight
+        results = await asyncio.gather(*[reducer.accumulate_part(i, 0, first[i], weights[i]) for i in range(4)])
+        results2 = await asyncio.gather(*[reducer.accumulate_part(i, 1, second[i], weights[i]) for i in range(4)])
+        return results, results2, stats.snapshot()
+
+    results, results2, stats = asyncio.run(run())
+    for r in results:
+        assert torch.allclose(r, 2 * torch.ones(4))  # mean of 1 and 3: the NaN part and the zero weight left out
+    for r in results2:
+        assert torch.allclose(r, torch.ones(2))
+    assert stats["parts_dropped"] == 2 and stats["parts_reduced"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_result():
+    """Four averagers on a local DHT, one sending a scaled copy: with centered_clip every honest
+    peer ends with bit-identical tensors close to the honest mean; bytes are counted."""
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    from crowdtrain.swarm.compression import PaperCompression
+    from crowdtrain.swarm.robust import robust_averager_class
+
+    Averager = robust_averager_class(DecentralizedAverager)
+    assert Averager.__name__ == "DecentralizedAverager"  # RPC handler names stay compatible
+    torch.manual_seed(0)
+    base = [torch.randn(300, 300), torch.randn(50)]  # one 8-bit tensor, one fp16 tensor
+    locals_ = [[b + 0.1 * torch.randn_like(b) for b in base] for _ in range(4)]
+    honest = [sum(t[i] for t in locals_[:3]) / 3 for i in range(2)]
+    dhts = [hivemind.DHT(start=True)]
+    dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(3)]
+    averagers = [
+        Averager([t.clone() for t in tensors], dht, prefix="robust_test", target_group_size=4, min_group_size=4,
+                 min_matchmaking_time=3.0, request_timeout=1.0, compression=PaperCompression(),
+                 aggregator=CenteredClipAggregator(clip_radius=1.0, clip_iterations=3),
+                 attack=ATTACKS["scale"]() if i == 3 else None, results_as_values=True, start=True)
+        for i, (tensors, dht) in enumerate(zip(locals_, dhts))]
+    try:
+        controls = [a.step(wait=False, timeout=60) for a in averagers]
+        groups = [c.result(90) for c in controls]
+        assert all(len(g) == 4 for g in groups)
+        results = []
+        for a in averagers:
+            with a.get_tensors() as tensors:
+                results.append([t.clone() for t in tensors])
+        for other in results[1:]:
+            assert all(torch.equal(x, y) for x, y in zip(results[0], other)), "peers hold different bits"
+        spread = max((locals_[j][0] - honest[0]).norm() for j in range(3))
+        assert (results[0][0] - honest[0]).norm() < spread, "the scaled part was not clipped"
+        stats = averagers[0].wire_stats.snapshot()
+        assert stats["bytes_sent"] > 3 / 4 * 300 * 300 and stats["rounds"] == 1  # 8-bit: ~1 byte per element
+    finally:
+        for a in averagers:
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()
