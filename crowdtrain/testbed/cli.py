@@ -22,10 +22,10 @@ def register(subparsers) -> None:
     run.add_argument("--rate", default="100mbit", help="each peer's link: RATE or UP/DOWN, e.g. 100mbit, 10mbit/50mbit")
     run.add_argument("--minutes", type=float, default=3.0, help="measure for this long once every peer trains")
     run.add_argument("--epochs", type=int, default=None, help="or stop when the swarm reaches this epoch")
-    run.add_argument("--step-s", type=float, default=2.0,
+    run.add_argument("--step-s", type=float, default=3.0,
                      help="each peer's computation per step, padded to this (--simulated-step-s)")
     run.add_argument("--target-batch-size", type=int, default=None,
-                     help="global batch (default: 30 s of computation per epoch, 15 samples per peer)")
+                     help="global batch (default: 30 s of computation per epoch, as in `testbed suite`)")
     run.add_argument("--no-delay", action="store_true", help="turn delayed parameter updates off")
     run.add_argument("--swarm", action="append", metavar="KEY=VALUE", help="other swarm settings (SwarmConfig)")
     run.add_argument("--model", action="append", metavar="KEY=VALUE",

@@ -1,13 +1,13 @@
 """The benchmark matrix: where a swarm on home links loses time.
 
 Every run uses the 22M-parameter model of ``swarm.MODEL_22M``, peers of one thread whose steps
-are padded to 2 s of computation (batch 1), and the paper's swarm mechanics (8-bit LAMB,
+are padded to 3 s of computation (batch 1), and the paper's swarm mechanics (8-bit LAMB,
 8-bit/fp16 wire compression, gradients and parameters averaged every epoch).
 
 **The global batch, chosen as the paper would.** The paper fixed a global batch (4096) that made
 an epoch of computation last many times the all-reduce of its gradients on its volunteers'
-links. Here: an epoch of computation lasts 30 s at every N (``target_batch_size`` = 15 samples
-per peer), about 10x the bandwidth floor of a gradient round at 100 Mbit/s (1.8-3.1 s for
+links. Here: an epoch of computation lasts 30 s at every N (``target_batch_size`` = 10 samples
+per peer at 3 s per step), about 10x the bandwidth floor of a gradient round at 100 Mbit/s (1.8-3.1 s for
 N = 2-8). The same batch is used at 10 Mbit/s, which is what shows what a slow link costs.
 The heterogeneity run has a 10 Mbit/s uplink in it, so its batch is chosen for that link.
 
@@ -27,7 +27,7 @@ from crowdtrain.testbed.swarm import PeerPlan, RunPlan, run_plan
 
 logger = logging.getLogger(__name__)
 
-STEP_S = 2.0
+STEP_S = 3.0  # real compute takes 0.3-1.5 s per step on two shared, busy cores: 3 s keeps it inside
 EPOCH_COMPUTE_S = 30.0
 
 
@@ -47,7 +47,7 @@ def heterogeneous(minutes: float) -> tuple[RunPlan, list[RunPlan]]:
              "p4": ("100mbit", 3 * STEP_S)}
     rate = sum(1 / step for _, step in kinds.values())  # samples/s of the swarm at full utilization
     # A gradient round and a parameter round both wait for the 10 Mbit/s uplink: ~27 s each at
-    # N = 4, so an epoch must hold a few times that of computation (as the paper would size it).
+    # N = 4, so an epoch must hold more than that of computation (as the paper would size it).
     target = int(round(rate * 72))
     swarm = {"target_batch_size": target}
     plan = RunPlan("hetero", [PeerPlan(n, LinkSpec.parse(link), step_s=step) for n, (link, step) in kinds.items()],

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -190,8 +191,12 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
                 os.killpg(proc.pid, signal.SIGINT)
             except ProcessLookupError:
                 pass
+        deadline = time.monotonic() + 150  # a clean leave is bounded by about 105 s (crowdtrain.swarm.peer)
         for proc in running:
-            stop_process(proc, signal.SIGINT, 150)
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # a second SIGINT would make it quit without its summary
+                stop_process(proc, signal.SIGKILL, 10)
         stop_process(coordinator, signal.SIGTERM, 60)
 
     from crowdtrain.testbed.counters import load
