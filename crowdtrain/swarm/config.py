@@ -23,10 +23,6 @@ class SwarmConfig:
     target_batch_size: int = 4096
     matchmaking_time_s: float = 5.0
     averaging_timeout_s: float = 60.0
-    # A groupmate that sends no chunk for this long is dropped from the all-reduce, which goes on
-    # without it. Without it, one stalled sender holds the whole group until averaging_timeout_s
-    # (seen on the testbed: rounds stuck for minutes). Raise it on very slow or lossy links.
-    next_chunk_timeout_s: float = 30.0
     load_state_timeout_s: float = 120.0
     average_state_every: int = 1  # epochs between parameter/optimizer-state averaging rounds
     # Wire compression: 8-bit quantization for tensors with at least this many elements,
@@ -53,8 +49,6 @@ class SwarmConfig:
         if self.matchmaking_time_s <= 0 or self.averaging_timeout_s <= self.matchmaking_time_s:
             raise ValueError("averaging_timeout_s must exceed matchmaking_time_s > 0 "
                              f"(got {self.averaging_timeout_s} and {self.matchmaking_time_s})")
-        if self.next_chunk_timeout_s <= 0:
-            raise ValueError(f"next_chunk_timeout_s must be > 0, got {self.next_chunk_timeout_s}")
         if not 0 <= self.warmup_epochs < self.total_epochs:
             raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must be below total_epochs ({self.total_epochs})")
         if self.compression_threshold < 1:

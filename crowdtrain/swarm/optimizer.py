@@ -111,8 +111,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
         grad_compression=compression, state_averaging_compression=compression, load_state_compression=compression,
         client_mode=client_mode, auxiliary=auxiliary, verbose=verbose,
         # request_timeout below min_matchmaking_time avoids rare matchmaking deadlocks.
-        averager_opts=dict(request_timeout=min(1.0, config.matchmaking_time_s / 3),
-                           next_chunk_timeout=config.next_chunk_timeout_s),
+        averager_opts=dict(request_timeout=min(1.0, config.matchmaking_time_s / 3)),
         tracker_opts=dict(min_refresh_period=0.5, max_refresh_period=max(2.0, config.matchmaking_time_s)),
     )
 
