@@ -40,10 +40,17 @@ def test_butterfly_floor_and_round_grouping():
     assert analysis.butterfly_floor_s(4, 10_000_000, 100e6) == pytest.approx(1.2)
     rounds = {"a": {"rounds": [{"done_unix": 10.0, "allreduce_unix": 8.0, "triggered_unix": 7.0, "group_size": 2},
                                {"done_unix": 40.0, "allreduce_unix": 39.0, "triggered_unix": 38.0, "group_size": 2}]},
-              "b": {"rounds": [{"done_unix": 10.5, "allreduce_unix": 8.5, "triggered_unix": 8.4, "group_size": 2},
+              "b": {"rounds": [{"done_unix": 14.5, "allreduce_unix": 8.5, "triggered_unix": 8.4, "group_size": 2},
                                {"done_unix": 41.0, "allreduce_unix": 39.2, "triggered_unix": 39.1, "group_size": 2}]}}
     grouped = analysis.cluster_rounds(rounds)
     assert [sorted(m["peer"] for m in r) for r in grouped] == [["a", "b"], ["a", "b"]]
+    # A reading taken after a groupmate had finished (a starved background thread) is left out.
+    late = {"a": rounds["a"], "b": {"rounds": [{"done_unix": 14.0, "allreduce_unix": 12.0, "triggered_unix": 12.0,
+                                                "group_size": 2}]}}
+    plan = {"name": "x", "preset": "tiny", "model": {}, "swarm": {},
+            "peers": [{"name": n, "link": "10mbit", "up_bps": 1e7, "down_bps": 1e7} for n in ("a", "b")]}
+    first = analysis.round_stats({"plan": plan, "peers": late, "counters": []})["rounds"][0]
+    assert first["round_s"] == pytest.approx(2.0) and first["late_readings"] == 1
 
 
 def _root_addresses() -> str:
@@ -131,9 +138,9 @@ def test_round_summary_from_a_recorded_run():
     """The analysis of a two-peer run: full rounds, the floor of the model, utilization."""
     plan = {"name": "x", "preset": "tiny", "model": {}, "swarm": {"target_batch_size": 8},
             "peers": [{"name": n, "link": "10mbit", "up_bps": 1e7, "down_bps": 1e7} for n in ("p1", "p2")]}
-    epochs = [{"epoch": e, "samples": 10 * e, "unix": 100.0 + 10 * e, "compute_s": 9.0 * e, "wait_s": 0.5 * e}
+    epochs = [{"epoch": e, "samples": 20 * e, "unix": 100.0 + 20 * e, "compute_s": 18.0 * e, "wait_s": 1.0 * e}
               for e in range(1, 5)]
-    peer = {"rounds": [{"done_unix": 111.0 + 10 * e, "allreduce_unix": 110.0 + 10 * e, "triggered_unix": 110.0 + 10 * e,
+    peer = {"rounds": [{"done_unix": 111.0 + 20 * e, "allreduce_unix": 110.0 + 20 * e, "triggered_unix": 110.0 + 20 * e,
                         "group_size": 2} for e in range(1, 4)],
             "epochs": epochs, "seconds": 40.0, "compute_s": 36.0, "samples": 40, "steps": 40}
     result = {"plan": plan, "peers": {"p1": peer, "p2": json.loads(json.dumps(peer))}, "counters": [],

@@ -5,7 +5,8 @@
   them: 2(N-1)/N copies of the compressed model up, as many down. The floor is that volume over
   the slowest link in the group. A round's measured time runs from the moment its last member
   began exchanging tensors (nobody can finish before that peer's data is in) to the moment its
-  last member finished. The peers' clocks are one clock: they share the machine.
+  last member finished (readings a starved thread took after a groupmate had already finished
+  are left out). The peers' clocks are one clock: they share the machine.
 - **Compute utilization.** Seconds spent computing gradients (padded to the step budget) per
   second of wall time, per peer, between its first and last epoch boundary (the first epoch,
   with start-up and the first state download, is left out).
@@ -48,8 +49,9 @@ def butterfly_floor_s(n: int, wire_bytes: int, rate_bps: float) -> float:
     return 2 * (n - 1) / n * wire_bytes * 8 / rate_bps
 
 
-def cluster_rounds(summaries: dict[str, dict], gap_s: float = 3.0) -> list[list[dict]]:
-    """Group every peer's round records into rounds: members of one round end within seconds."""
+def cluster_rounds(summaries: dict[str, dict], gap_s: float = 10.0) -> list[list[dict]]:
+    """Group every peer's round records into rounds: members of one round end within seconds of
+    each other, rounds are an epoch (30 s or more) apart."""
     records = [{**r, "peer": name} for name, s in summaries.items() if s for r in s.get("rounds", [])
                if r.get("done_unix")]
     records.sort(key=lambda r: r["done_unix"])
@@ -74,7 +76,12 @@ def round_stats(result: dict) -> dict:
         row = {"peers": sorted(m["peer"] for m in members), "group_size": max(m["group_size"] for m in members),
                "full": full, "done_unix": max(m["done_unix"] for m in members)}
         if full:
-            start, end = max(started), row["done_unix"]
+            # In delayed-update mode the timing is read by a background thread; on a starved CPU it
+            # can observe a round only after the others finished it: such late readings are left out.
+            first_done = min(m["done_unix"] for m in members)
+            timely = [m for m in members if m["allreduce_unix"] < first_done] or members
+            start, end = max(m["allreduce_unix"] for m in timely), max(m["done_unix"] for m in timely)
+            row["late_readings"] = n - len(timely)
             slowest = min(min(links[m["peer"]]["up_bps"], links[m["peer"]]["down_bps"]) for m in members)
             floor = butterfly_floor_s(n, wire, slowest)
             uploaded = [bytes_between(counters, m["peer"], min(started) - 0.5, end + 0.5)[0] for m in members]

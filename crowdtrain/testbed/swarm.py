@@ -158,7 +158,7 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
                   lambda: any(procs[p.name].poll() is not None for p in initial) or coordinator.poll() is not None,
                   f"the peers did not all start training; see {out_dir}/logs")
         t0 = time.time()
-        events.append({"event": "start", "unix": t0})
+        events.append({"event": "start", "unix": t0, "loadavg": os.getloadavg()})  # other work on the machine
         logger.info("all %d peers are training: measuring for %.1f minutes", len(initial), plan.minutes)
         pending = sorted([(p.join_s, "join", p) for p in plan.peers if p.join_s is not None]
                          + [(p.kill_s, "kill", p) for p in plan.peers if p.kill_s is not None], key=lambda e: e[0])
@@ -183,7 +183,7 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
             if coordinator.poll() is not None:
                 raise RuntimeError(f"the coordinator exited; see {out_dir}/logs/coordinator.log")
             time.sleep(1.0)
-        events.append({"event": "stop", "unix": time.time()})
+        events.append({"event": "stop", "unix": time.time(), "loadavg": os.getloadavg()})
         logger.info("stopping the peers (they leave as with Ctrl-C and write their summaries)")
         running = [p for p in procs.values() if p.poll() is None]
         for proc in running:
