@@ -40,6 +40,10 @@ def register(subparsers) -> None:
     suite.add_argument("--scale", type=float, default=1.0, help="multiply every run's duration")
     suite.set_defaults(handler=_suite)
 
+    rep = sub.add_parser("report", help="recompute a suite's tables and plot from its runs' raw results")
+    rep.add_argument("--out", default="runs/testbed-suite", help="the suite's output folder")
+    rep.set_defaults(handler=_report)
+
     check = sub.add_parser("check", help="build a 2-peer testbed and measure its links with real transfers")
     check.add_argument("--rate", default="20mbit/40mbit", help="the first peer's link (UP/DOWN)")
     check.set_defaults(handler=_check)
@@ -88,6 +92,18 @@ def _suite(args) -> int:
     (out / "tables.txt").write_text(tables + "\n")
     png = plot.plot_suite(results, out, out / "suite.png")
     print("\n" + tables + f"\n\nwrote {out / 'suite.json'}, {out / 'tables.txt'}, {png}")
+    return 0
+
+
+def _report(args) -> int:
+    from crowdtrain.testbed import plot, report, suite
+
+    out = Path(args.out)
+    results = suite.reanalyze(out)
+    tables = report.suite_tables(results)
+    (out / "tables.txt").write_text(tables + "\n")
+    png = plot.plot_suite(results, out, out / "suite.png")
+    print(tables + f"\n\nwrote {out / 'suite.json'}, {out / 'tables.txt'}, {png}")
     return 0
 
 

@@ -103,6 +103,24 @@ def run_suite(out_dir: Path, *, only: list[str] | None = None, scale: float = 1.
     return results
 
 
+def reanalyze(out_dir: Path) -> dict:
+    """Summaries recomputed from every run's raw ``run.json`` (after a change to the analysis)."""
+    results_path = out_dir / "suite.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    for raw_path in sorted(out_dir.glob("*/run.json")):
+        raw = json.loads(raw_path.read_text())
+        name = raw["plan"]["name"]
+        summary = analysis.summarize(raw)
+        if name == "churn":
+            summary["churn"] = analysis.churn_stats(raw)
+        summary["wall_s"] = results.get(name, {}).get("wall_s")
+        summary["loadavg"] = [e.get("loadavg") for e in raw["events"] if e["event"] in ("start", "stop")]
+        results[name] = summary
+    derive(results)
+    results_path.write_text(json.dumps(results, indent=2))
+    return results
+
+
 def derive(results: dict) -> None:
     """Heterogeneity: swarm throughput against the sum of its members' solo throughputs."""
     hetero = results.get("hetero")
