@@ -72,7 +72,10 @@ def round_stats(result: dict) -> dict:
     for members in cluster_rounds(summaries):
         n = len(members)
         started = [m["allreduce_unix"] for m in members if m.get("allreduce_unix")]
-        full = n >= 2 and len(started) == n and all(m["group_size"] == n for m in members)
+        # Every member averaged with the whole group (a peer that left without its summary, e.g.
+        # killed, is missing from the records but counted in the others' group size).
+        size = members[0]["group_size"]
+        full = n >= 2 and len(started) == n and all(m["group_size"] == size for m in members) and size >= n
         row = {"peers": sorted(m["peer"] for m in members), "group_size": max(m["group_size"] for m in members),
                "full": full, "done_unix": max(m["done_unix"] for m in members)}
         if full:
@@ -83,12 +86,13 @@ def round_stats(result: dict) -> dict:
             start, end = max(m["allreduce_unix"] for m in timely), max(m["done_unix"] for m in timely)
             row["late_readings"] = n - len(timely)
             slowest = min(min(links[m["peer"]]["up_bps"], links[m["peer"]]["down_bps"]) for m in members)
-            floor = butterfly_floor_s(n, wire, slowest)
+            floor = butterfly_floor_s(size, wire, slowest)
             uploaded = [bytes_between(counters, m["peer"], min(started) - 0.5, end + 0.5)[0] for m in members]
             row.update(start_unix=start, round_s=end - start, floor_s=floor, ratio=(end - start) / floor,
                        waited_for_last_s=start - min(started),
                        matchmaking_s=statistics.median(m["allreduce_unix"] - m["triggered_unix"] for m in members),
-                       uploaded_bytes=statistics.median(uploaded), expected_upload_bytes=2 * (n - 1) / n * wire)
+                       uploaded_bytes=statistics.median(uploaded), expected_upload_bytes=2 * (size - 1) / size * wire,
+                       members_reporting=n)
         rows.append(row)
     full = [r for r in rows if r["full"]]
     summary = {"params": params, "gradient_wire_bytes": wire, "rounds": rows, "full_rounds": len(full),
