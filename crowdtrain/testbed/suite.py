@@ -58,8 +58,9 @@ def heterogeneous(minutes: float) -> tuple[RunPlan, list[RunPlan]]:
     return plan, solos
 
 
-def churn(minutes: float, rate: str = "10mbit") -> RunPlan:
-    """Four peers on slow links; one is killed after 90 s, a newcomer joins 60 s later."""
+def churn(minutes: float, rate: str = "10mbit/50mbit") -> RunPlan:
+    """Four peers on ADSL-like links (10 up / 50 down); one is killed after 90 s, a newcomer joins
+    60 s later and downloads the state through a peer's 10 Mbit/s uplink."""
     peers = [PeerPlan(f"p{i + 1}", LinkSpec.parse(rate), step_s=STEP_S) for i in range(4)]
     peers[1].kill_s = 90.0
     peers.append(PeerPlan("p5", LinkSpec.parse(rate), step_s=STEP_S, join_s=150.0))

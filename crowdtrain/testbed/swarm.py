@@ -71,7 +71,8 @@ class RunPlan:
     model: dict = field(default_factory=lambda: dict(MODEL_22M))
     swarm: dict = field(default_factory=dict)
     queue_ms: float = 50.0
-    startup_timeout_s: float = 300.0
+    # Four peers fetching the first state over 10 Mbit/s links take minutes on a busy machine.
+    startup_timeout_s: float = 900.0
 
     def __post_init__(self):
         names = [p.name for p in self.peers]
