@@ -55,7 +55,8 @@ def suite_tables(results: dict) -> str:
     hetero = results.get("hetero")
     if hetero and "per_peer" in hetero:
         out.append("")
-        out.append("Heterogeneity: p1, p2 100mbit at 2 s/step; p3 10mbit up/50mbit down; p4 a device 3x slower")
+        out.append("Heterogeneity: p1, p2 100mbit at 3 s/step; p3 10mbit up/50mbit down; "
+                   "p4 a device 3x slower (9 s/step)")
         out.append(f"{'peer':>6} {'solo samples/s':>15} {'in swarm':>9} {'utilization':>12}")
         for name, p in sorted(hetero["per_peer"].items()):
             solo = hetero.get("solo_samples_per_s", {}).get(name)
