@@ -91,8 +91,9 @@ with Testbed({"p1": LinkSpec(1e7, 1e7), "p2": LinkSpec(1e7, 1e7)}) as tb:
 
 
 def _holder():
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                            env=env)
     line = proc.stdout.readline().split()
     assert line and line[0] == "READY", "the testbed did not come up"
     return proc, line[1].rsplit("-", 1)[0]

@@ -73,7 +73,8 @@ def suite_tables(results: dict) -> str:
             lost = ", ".join(f"{n} {v:.1f}" for n, v in sorted(w["lost_s_per_peer"].items()))
             out.append(f"  {label:<11} {w['seconds']:.0f} s window: seconds of work lost per survivor "
                        f"(vs its rate before) {lost or '-'}; mean {_f(w['lost_s_mean'], '.1f')}")
-        out.append(f"  first round with every live peer after the kill: {_f(churn['first_full_round_after_kill_s'], '.1f')} s"
+        first_round = _f(churn["first_full_round_after_kill_s"], ".1f")
+        out.append(f"  first round with every live peer after the kill: {first_round} s"
                    f" later; newcomer loaded state in {_f(churn.get('newcomer_state_load_s'), '.1f')} s, first "
                    f"epoch {_f(churn.get('newcomer_first_epoch_s'), '.1f')} s after it started")
     return "\n".join(out)

@@ -143,7 +143,8 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
             procs[peer.name] = tb.spawn(peer.name, _cli(
                 "join", url, "--batch-size", str(peer.batch_size), "--simulated-step-s", str(peer.step_s),
                 "--host", node.address, "--threads", "1", "--user", peer.name,
-                "--summary-file", str(out_dir / f"{peer.name}.json")), env=env, log=out_dir / "logs" / f"{peer.name}.log")
+                "--summary-file", str(out_dir / f"{peer.name}.json")),
+                env=env, log=out_dir / "logs" / f"{peer.name}.log")
             events.append({"event": "join", "peer": peer.name, "unix": time.time()})
             logger.info("%s joined (%s, batch %d, %.1f s/step)", peer.name, peer.link, peer.batch_size, peer.step_s)
 
