@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = [
     "crowdtrain.train.cli",
     "crowdtrain.coordinator.cli",
     "crowdtrain.swarm.cli",
+    "crowdtrain.testbed.cli",
 ]
 
 

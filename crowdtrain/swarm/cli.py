@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--identity", default=None,
                    help="file of this peer's private key (made if missing); default: a fresh one per process")
     p.add_argument("--simulated-step-s", type=float, default=0.0,
-                   help="pad each step to at least this many seconds (emulates a slower device)")
+                   help="pad each step's computation (not its waiting for peers) to at least this many seconds "
+                        "(emulates a slower device)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--summary-file", default=None, help="write a JSON summary of this peer's run here")
     p.add_argument("--save-final", default=None, help="save the final parameters (safetensors) here")

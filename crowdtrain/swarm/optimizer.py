@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from functools import partial
 
 import bitsandbytes as bnb
 import hivemind
 import torch
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.averaging.control import AveragingStage
 
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.auth import AccessGuard, guarded
@@ -69,6 +71,8 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         swarm_peers = self.tracker.global_progress.num_peers
         epoch = self.local_epoch
+        triggered_unix = time.time()
+        allreduce_unix = _wait_for_allreduce_start(maybe_step_control, self.averaging_timeout)
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         group_size = 1
         if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.cancelled():
@@ -77,7 +81,11 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             except BaseException:  # the round failed: this peer used its local gradients
                 group_size = 1
         with self._rounds_lock:
-            self.rounds.append({"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers})
+            # Wall-clock times (comparable across peers on one machine): the round was triggered
+            # (this peer reached the target batch), its all-reduce began exchanging tensors, it ended.
+            self.rounds.append({"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers,
+                                "triggered_unix": triggered_unix, "allreduce_unix": allreduce_unix,
+                                "done_unix": time.time()})
 
     def last_round(self) -> dict | None:
         with self._rounds_lock:
@@ -86,6 +94,19 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     def finish_pending_updates(self) -> None:
         """Apply the delayed optimizer step, if one is running in the background."""
         self.state_averager.step(wait_for_delayed_updates=True)
+
+
+def _wait_for_allreduce_start(control, timeout_s: float) -> float | None:
+    """When the averager (a child process) began exchanging tensors: its stage lives in shared
+    memory, so poll it until the all-reduce starts or the step ends. None if it never started."""
+    if control is None:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while not control.done() and time.monotonic() < deadline:
+        if control.stage == AveragingStage.RUNNING_ALLREDUCE:
+            return time.time()
+        time.sleep(0.005)
+    return None
 
 
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,

@@ -35,7 +35,7 @@ class VolunteerConfig:
     max_epochs: int | None = None  # leave once the swarm reaches this global epoch
     max_minutes: float | None = None
     host: str = "0.0.0.0"  # where to listen for other peers (ignored in client mode)
-    simulated_step_s: float = 0.0  # pad each step to at least this long (emulate a slower device)
+    simulated_step_s: float = 0.0  # pad each step's computation to at least this long (emulate a slower device)
     precision: str = "fp32"
     user: str = "anonymous"
     api_key: str | None = None  # for allowlist runs: `crowdtrain users add NAME` prints it
@@ -317,7 +317,8 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
     batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
     start = time.perf_counter()
     contributed = steps = dropped = 0
-    waited = 0.0
+    waited = computed = 0.0  # seconds blocked in optimizer.step / computing gradients (padding included)
+    over_budget = 0  # steps whose real computation took longer than --simulated-step-s
     losses: list[float] = []
     last_report = start
     epoch_seen = optimizer.local_epoch
@@ -342,7 +343,12 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
             optimizer.zero_grad()
             dropped += 1
             continue
+        if config.simulated_step_s > 0:
+            # Pad the computation, not the waiting: a slower device computes longer, its network is no slower.
+            over_budget += time.perf_counter() - t_step > config.simulated_step_s
+            time.sleep(max(0.0, config.simulated_step_s - (time.perf_counter() - t_step)))
         t_opt = time.perf_counter()
+        computed += t_opt - t_step
         optimizer.step()  # blocks only when this peer must wait for the swarm (averaging, state)
         waited += time.perf_counter() - t_opt
         optimizer.zero_grad()
@@ -356,8 +362,6 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
             first_contribution_s = time.perf_counter() - t_join
             summary["first_epoch_s"] = first_contribution_s
             summary["first_epoch_unix"] = time.time()
-        if config.simulated_step_s > 0:
-            time.sleep(max(0.0, config.simulated_step_s - (time.perf_counter() - t_step)))
         now = time.perf_counter()
         rate = contributed / max(now - start, 1e-9)
         last_round = optimizer.last_round() or {"group_size": 0, "swarm_peers": 0}
@@ -369,7 +373,8 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
             mean_loss = sum(window) / len(window)
             if optimizer.local_epoch != epoch_seen:
                 summary["epochs"].append({"epoch": optimizer.local_epoch, "loss": mean_loss, "samples": contributed,
-                                          "time": now - start})
+                                          "time": now - start, "unix": time.time(), "compute_s": computed,
+                                          "wait_s": waited})
             swarm_metrics.publish(dht, swarm.run_id, signer, swarm_metrics.PeerMetrics(
                 peer_id=summary["peer_id"], epoch=optimizer.local_epoch, samples=contributed,
                 samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
@@ -378,5 +383,6 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
                 user=summary["user"], maddrs=summary["maddrs"]))
             epoch_seen, last_report = optimizer.local_epoch, now
     summary.update(samples=contributed, steps=steps, seconds=time.perf_counter() - start, wait_s=waited,
+                   compute_s=computed, over_budget_steps=over_budget, end_unix=time.time(),
                    dropped_batches=dropped,
                    loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)
