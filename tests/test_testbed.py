@@ -92,8 +92,10 @@ with Testbed({"p1": LinkSpec(1e7, 1e7), "p2": LinkSpec(1e7, 1e7)}) as tb:
 
 def _holder():
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # SIGINT back to its default in the child: a shell's background job (or CI runner) may ignore
+    # it, and Python then installs no KeyboardInterrupt handler, unlike in a terminal.
     proc = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env=env)
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     line = proc.stdout.readline().split()
     assert line and line[0] == "READY", "the testbed did not come up"
     return proc, line[1].rsplit("-", 1)[0]
