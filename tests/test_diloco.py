@@ -7,22 +7,7 @@ from crowdtrain.checkpoint import latest_checkpoint, load_optimizer_state, read_
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
 from crowdtrain.swarm.diloco import params_digest
-from tests.swarm_harness import Swarm
 from tests.test_swarm import eval_loss, initial_loss
-
-
-@pytest.fixture
-def swarm_factory(tmp_path):
-    created = []
-
-    def make(**kwargs):
-        swarm = Swarm(tmp_path, **kwargs)
-        created.append(swarm)
-        return swarm
-
-    yield make
-    for swarm in created:
-        swarm.close()
 
 
 def digest_of(path) -> str:

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.train.task import DalleTask
-from tests.swarm_harness import Swarm
 
 
 def eval_loss(path) -> float:
@@ -31,20 +30,6 @@ def initial_loss() -> float:
     batch = next(DalleTask(cfg, data="pattern").batches(batch_size=128, seed_key="held-out eval"))
     with torch.no_grad():
         return DalleTransformer(cfg).eval()(**batch).loss.item()
-
-
-@pytest.fixture
-def swarm_factory(tmp_path):
-    created = []
-
-    def make(**kwargs):
-        swarm = Swarm(tmp_path, **kwargs)
-        created.append(swarm)
-        return swarm
-
-    yield make
-    for swarm in created:
-        swarm.close()
 
 
 @pytest.mark.timeout(420)
