@@ -11,6 +11,8 @@ mean vs centered_clip), and a micro-benchmark of one reducer's aggregation for t
 peer reduces in a 4-peer group, for the tiny, demo and paper presets.
 
     python benchmarks/bench_robust.py [--modes sync diloco] [--attacks scale sign_flip noise nan bias]
+
+Runs of the modes not named are kept from the last results file, so the modes can run apart.
 """
 
 from __future__ import annotations
@@ -99,9 +101,11 @@ def main() -> None:
     for row in results["micro"]:
         print(f"  {row['preset']:<6}{row['params'] / 1e6:>8.1f}M params: mean {row['mean_s_per_round']:.4f}s, "
               f"centered_clip {row['centered_clip_s_per_round']:.4f}s per round (+{row['extra_s_per_round']:.4f}s)")
-    runs = results["runs"] = []
     out = RESULTS / "bench_robust.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
+    # Runs of modes not asked for this time stay in the table (one mode takes about 25 minutes).
+    kept = json.loads(out.read_text()).get("runs", []) if out.is_file() else []
+    runs = results["runs"] = [r for r in kept if r["mode"] not in args.modes]
     if not args.micro_only:
         tmp = Path(tempfile.mkdtemp(prefix="bench-robust-"))
         for mode in args.modes:
@@ -111,15 +115,21 @@ def main() -> None:
                     print(json.dumps(runs[-1]), flush=True)
                     out.write_text(json.dumps(results, indent=2))
         results["initial_loss"] = initial_loss()
-        for mode in args.modes:
+        for mode in sorted({r["mode"] for r in runs}, key=list(MODES).index):
             clean = {r["aggregation"]: r["loss"] for r in runs if r["mode"] == mode and r["attack"] == "none"}
             print(f"\n{mode}: final held-out loss of the honest peers (start {results['initial_loss']:.3f}); "
                   "in brackets: vs the clean run with mean")
             print(f"{'attack':<11}{'mean':>18}{'centered_clip':>18}")
-            for attack in ["none", *args.attacks]:
+            for attack in ["none", *ATTACKS]:
+                if not any(r["mode"] == mode and r["attack"] == attack for r in runs):
+                    continue
                 cells = []
                 for aggregation in ("mean", "centered_clip"):
-                    r = next(r for r in runs if (r["mode"], r["attack"], r["aggregation"]) == (mode, attack, aggregation))
+                    r = next((r for r in runs if (r["mode"], r["attack"], r["aggregation"]) == (mode, attack, aggregation)),
+                             None)
+                    if r is None:
+                        cells.append("-")
+                        continue
                     cells.append(f"{r['loss']:.3f} ({100 * (r['loss'] / clean['mean'] - 1):+.1f}%)")
                 print(f"{attack:<11}{cells[0]:>18}{cells[1]:>18}")
             per_round = {a: [r["reducer_s_per_round"] for r in runs if r["mode"] == mode and r["aggregation"] == a]

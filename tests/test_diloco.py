@@ -1,6 +1,7 @@
 """DiLoCo mode and robust aggregation with real processes on 127.0.0.1 (`tiny`, pattern data)."""
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from crowdtrain.checkpoint import latest_checkpoint, load_optimizer_state, read_meta
@@ -98,3 +99,37 @@ def test_centered_clip_keeps_a_scaling_attacker_from_derailing_diloco(swarm_fact
     assert any(r["group_size"] == 4 for r in rounds), rounds  # the attacker was in the groups
     honest = swarm.summary("a")["averaging"]["pseudo_gradients"]
     assert honest["parts_reduced"] > 0 and honest["bytes_sent"] > 0
+
+
+def test_the_outer_state_survives_a_pickle_free_checkpoint(tmp_path):
+    """The momentum the auxiliary peer checkpoints (safetensors + JSON) resumes the same outer steps."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from crowdtrain.swarm.config import SwarmConfig
+    from crowdtrain.swarm.diloco import global_param_order, make_outer_optimizer
+    from crowdtrain.swarm.optimizer import flatten_optimizer_state, unflatten_optimizer_state
+
+    config = SwarmConfig(mode="diloco")
+    torch.manual_seed(0)
+    params = [p.detach().clone() for p in global_param_order(DalleTransformer(get_preset("tiny")))]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(3)]
+
+    def step(outer, g):
+        for p, gi in zip((p for group in outer.param_groups for p in group["params"]), g):
+            p.grad = gi
+        outer.step()
+
+    first = make_outer_optimizer([p.clone() for p in params], config)
+    step(first, grads[0])
+    tensors, meta = flatten_optimizer_state(first.state_dict())
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "optimizer.safetensors")
+    meta = json.loads(json.dumps(meta))  # JSON only
+    resumed = make_outer_optimizer([p.data.clone() for group in first.param_groups for p in group["params"]], config)
+    resumed.load_state_dict(unflatten_optimizer_state(load_file(str(tmp_path / "optimizer.safetensors")), meta))
+    for g in grads[1:]:
+        step(first, g)
+        step(resumed, g)
+    for a, b in zip(first.param_groups[0]["params"], resumed.param_groups[0]["params"]):
+        assert torch.equal(a, b)

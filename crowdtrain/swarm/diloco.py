@@ -45,6 +45,7 @@ from hivemind.utils import get_dht_time
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.swarm.optimizer import tag_round
 from crowdtrain.swarm.robust import RobustAveragerMixin, make_aggregator
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,12 @@ def global_param_order(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The order of the global parameters in the state peers exchange (that of ``param_groups``),
     the same for trainers and the auxiliary peer."""
     return [p for group in param_groups(model, 0.0) for p in group["params"]]
+
+
+def state_priority(epoch: int, group_size: int, digest: str) -> float:
+    """Newcomers (and peers healing a split) download the highest priority: the newest epoch, then
+    the largest group, then the larger digest, so that every peer ranks two states alike."""
+    return epoch + min(group_size, 999) / 1000 + int(digest[:4], 16) / 65536 / 10_000
 
 
 def params_digest(tensors) -> str:
@@ -180,13 +187,17 @@ class DiLoCoOptimizer:
             # Rounds are rare, so wait longer for a late groupmate than sync mode does (a peer sees
             # the sync point up to a tracker refresh after another, plus its current step).
             allreduce_timeout=config.averaging_timeout_s,
-            next_chunk_timeout=max(config.matchmaking_time_s, config.averaging_timeout_s / 4),
+            next_chunk_timeout=config.next_chunk_timeout_s,
+            min_group_size=config.min_group_size,
             client_mode=client_mode, start=True)
         self.global_params = self.averager.global_params
         self.samples_in_round = 0
         self.scheduled = None
         self.rounds: list[dict] = []
         self.blocked_s = 0.0  # time the trainer spent in rounds and state downloads instead of computing
+        self._last_round_end = -float("inf")
+        self._min_group_size = config.min_group_size
+        self._consensus_check_at: float | None = None  # after a round smaller than the swarm (see _heal_split)
         self._check_sync = True  # once per epoch, require exactly the swarm's epoch (as hivemind.Optimizer)
         self._rounds_lock = threading.Lock()
 
@@ -201,6 +212,8 @@ class DiLoCoOptimizer:
             p.grad = None
 
     def step(self) -> None:
+        if self._consensus_check_at is not None and time.monotonic() >= self._consensus_check_at:
+            self._heal_split()
         if self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "peer is out of sync with the swarm; downloading the state")
             t0 = time.perf_counter()
@@ -251,9 +264,17 @@ class DiLoCoOptimizer:
         return stats
 
     def finish_pending_updates(self) -> None:
-        """Nothing runs in the background between rounds (the outer step is taken in ``step``)."""
+        """Before leaving: if the last round may have split the swarm, end on the canonical state."""
+        if self._consensus_check_at is not None:
+            time.sleep(max(0.0, self._consensus_check_at - time.monotonic()))
+            self._heal_split()
 
     def shutdown(self) -> None:
+        # Groupmates may still be receiving our reducer's results of the last round (they finish
+        # after we do): give them a few seconds before the averager goes, or they miss a slice.
+        grace = min(5.0, self.config.matchmaking_time_s) - (time.monotonic() - self._last_round_end)
+        if grace > 0:
+            time.sleep(grace)
         if self.scheduled is not None and not self.scheduled.done():
             if self.scheduled.stage == AveragingStage.LOOKING_FOR_GROUP:
                 self.scheduled.cancel()
@@ -287,6 +308,7 @@ class DiLoCoOptimizer:
 
     def _begin_matchmaking(self):
         gather = {"epoch": self.local_epoch, "base": params_digest(self.global_params)}
+        tag_round(self.averager, self.local_epoch)  # meet only peers syncing the same epoch
         return self.averager.step(gather=gather, wait=False, require_trigger=True,
                                   timeout=self.config.averaging_timeout_s)
 
@@ -318,6 +340,10 @@ class DiLoCoOptimizer:
             missing = after["elements_missing"] - before["elements_missing"]
             diverged = self._diverged(gathered, swarm_peers, missing)
             self._share_state(0 if diverged else group_size)
+            # A group smaller than the swarm: another group may have stepped from other pseudo-
+            # gradients at the same time. Compare notes once their rounds are over too.
+            if not diverged and group_size < swarm_peers:
+                self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
         record = {"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers, "seconds": time.perf_counter() - t0,
                   "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
                   "aggregate_s": after["aggregate_s"] - before["aggregate_s"],
@@ -325,6 +351,7 @@ class DiLoCoOptimizer:
                   "params_sha": params_digest(self.global_params), "diverged": diverged}
         with self._rounds_lock:
             self.rounds.append(record)
+        self._last_round_end = time.monotonic()
         logger.log(self.status_loglevel, "outer step %d -> %d with %d/%d peers in %.2fs", epoch, new_epoch, group_size,
                    swarm_peers, record["seconds"])
         if diverged:
@@ -336,8 +363,8 @@ class DiLoCoOptimizer:
         control = self.scheduled
         self.scheduled = None
         if control is None or control.triggered or control.done():
-            if self.tracker.global_progress.num_peers <= 1:
-                return None  # alone: nobody to wait for
+            if self.tracker.global_progress.num_peers < self._min_group_size:
+                return None  # alone, or too few for the aggregation rule: nobody to wait for
             control = self._begin_matchmaking()
         try:
             control.weight = weight
@@ -355,7 +382,7 @@ class DiLoCoOptimizer:
         group started from different global parameters and ours was not the majority's (ties go
         to the higher epoch, then the larger digest)."""
         if not gathered:
-            return swarm_peers > 1
+            return swarm_peers >= self._min_group_size
         if missing:
             logger.warning("%d averaged values never arrived (a groupmate failed); downloading the state", missing)
             return True
@@ -376,8 +403,32 @@ class DiLoCoOptimizer:
 
     def _share_state(self, group_size: int) -> None:
         if not self.client_mode:
-            # Newcomers download from the highest priority: the newest epoch, then the largest group.
-            self.averager.state_sharing_priority = self.local_epoch + min(group_size, 999) / 1000
+            self.averager.state_sharing_priority = state_priority(self.local_epoch, group_size,
+                                                                  params_digest(self.global_params))
+
+    def _heal_split(self) -> None:
+        """Where the swarm split into several groups at the last sync, every group stepped to the
+        same epoch with different global parameters. All peers rank those states the same way
+        (``state_priority``: the largest group, then the digest), so peers outside the winning group
+        download its state and the swarm is one model again."""
+        self._consensus_check_at = None
+        epoch = self.local_epoch
+        mine = self.averager.state_sharing_priority
+        try:
+            found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
+        except Exception as e:  # the DHT is busy: the next round's checks catch a split too
+            logger.debug("could not read the swarm's states: %r", e)
+            return
+        offers = [float(v.value) for v in (found.value if found is not None and isinstance(found.value, dict) else {}).values()
+                  if isinstance(getattr(v, "value", None), (int, float))]
+        better = [p for p in offers if int(p) == epoch and p > mine + 1e-12]
+        if not better:
+            return
+        logger.warning("the swarm split into groups at epoch %d; taking the largest group's state", epoch)
+        with self._rounds_lock:
+            if self.rounds and self.rounds[-1]["epoch"] + 1 >= epoch:
+                self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
+        self.load_state_from_peers()
 
     def _tag_along_with_zero_weight(self, control) -> None:
         try:

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.partition import BannedException, TensorPartReducer
+from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
@@ -225,7 +225,8 @@ class RobustAllReduceRunner(AllReduceRunner):
     averaging keeps differences: they are small and survive 8-bit compression better.
     """
 
-    def __init__(self, *, aggregator: Aggregator, stats: WireStats, results_as_values: bool, **kwargs):
+    def __init__(self, *, aggregator: Aggregator, stats: WireStats, results_as_values: bool,
+                 fallback_tensors=None, **kwargs):
         super().__init__(**kwargs)
         self.stats, self.results_as_values = stats, results_as_values
         self.tensor_part_reducer.finished.set()  # the stock reducer is replaced unused (and must not warn)
@@ -234,6 +235,25 @@ class RobustAllReduceRunner(AllReduceRunner):
             aggregator=aggregator, stats=stats)
         if results_as_values:
             self.tensor_part_container.return_deltas = False  # a failed reducer: keep our own part
+            if fallback_tensors is not None:
+                self._keep_fallback_on_failure(fallback_tensors, kwargs)
+
+    def _keep_fallback_on_failure(self, fallback_tensors, kwargs) -> None:
+        """Where a reducer fails, keep ``fallback_tensors``' slice instead of what we sent (an
+        attacker keeps its honest copy). Same shapes and settings, so the same partition."""
+        container = self.tensor_part_container
+        honest = TensorPartContainer(fallback_tensors, self.peer_fractions,
+                                     **{k: kwargs[k] for k in ("compression", "part_size_bytes", "tensor_infos")
+                                        if k in kwargs})
+
+        def register_failed_reducer(peer_index: int):
+            for part_index in range(container._outputs_registered_by_peer[peer_index],
+                                    container.num_parts_by_peer[peer_index]):
+                part = honest._input_parts_by_peer[peer_index][part_index][0]
+                container.register_processed_part(peer_index, part_index, part)
+                container.failed_size += part.numel()
+
+        container.register_failed_reducer = register_failed_reducer
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id or not self.results_as_values:
@@ -302,7 +322,8 @@ class RobustAveragerMixin:
         runner = RobustAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=sent, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, aggregator=self._aggregator, stats=self.wire_stats,
-            results_as_values=self._results_as_values, **kwargs)
+            results_as_values=self._results_as_values,
+            fallback_tensors=[t.detach().clone() for t in tensors] if self._attack is not None else None, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
 
