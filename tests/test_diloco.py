@@ -133,3 +133,30 @@ def test_the_outer_state_survives_a_pickle_free_checkpoint(tmp_path):
         step(resumed, g)
     for a, b in zip(first.param_groups[0]["params"], resumed.param_groups[0]["params"]):
         assert torch.equal(a, b)
+
+
+def test_every_peer_ranks_states_alike_newest_epoch_then_largest_group_then_digest():
+    """How peers heal a split sync: the same order everywhere, never a tie between two groups."""
+    from crowdtrain.swarm.diloco import state_priority
+
+    assert state_priority(6, 1, "0000") > state_priority(5, 999, "ffff")  # a newer epoch wins
+    assert state_priority(5, 3, "0000") > state_priority(5, 2, "ffff")  # then the larger group
+    assert state_priority(5, 2, "8000") > state_priority(5, 2, "7fff")  # then the digest
+    assert int(state_priority(123456, 999, "ffff")) == 123456  # the epoch stays readable
+
+
+def test_centered_clip_needs_groups_of_three_and_rounds_meet_by_epoch():
+    from crowdtrain.swarm.config import SwarmConfig
+    from crowdtrain.swarm.optimizer import ROUND_TAG_BITS, tag_round
+
+    assert SwarmConfig().min_group_size == 2 and SwarmConfig(aggregation="centered_clip").min_group_size == 3
+
+    class Recorder:
+        def set_group_bits(self, bits, wait=True):
+            self.bits = bits
+
+    averager = Recorder()
+    tag_round(averager, 5)
+    assert averager.bits == "0" * (ROUND_TAG_BITS - 3) + "101"
+    tag_round(averager, 2**ROUND_TAG_BITS + 5)  # wraps around far beyond any lag between peers
+    assert averager.bits.endswith("101") and len(averager.bits) == ROUND_TAG_BITS
