@@ -1,9 +1,9 @@
 """Autoregressive sampling of image codes with a KV cache, top-k / top-p and temperature.
 
 The paper found top-k 256 or top-p 0.75 improve quality over plain sampling. With the cache,
-each image token costs one pass over the cached keys (O(sequence)); ``use_cache=False`` re-runs
-the full forward for every token instead (O(sequence^2) per token), the baseline of
-``benchmarks/bench_sampling.py``.
+each image token costs one layer pass for one position plus one pass over the cached keys;
+``use_cache=False`` re-runs the model's normal forward over the prefix instead (the text and the
+image rows up to the token's row) for every token, the baseline of ``benchmarks/bench_model.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, 
     logits = filter_logits(logits.float() / temperature, top_k=top_k, top_p=top_p)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def uncached_logits(model: DalleTransformer, text: torch.Tensor, keep: torch.Tensor, codes: torch.Tensor,
+                    k: int) -> torch.Tensor:
+    """Image logits (B, image_vocab) for code ``k`` without a cache: the normal forward over the
+    text and image rows 0..k // image_width (causality makes the later rows irrelevant)."""
+    cfg = model.config
+    rows = k // cfg.image_width + 1
+    x = model.embed(text, model.image_stream(codes)[:, : rows * cfg.image_width])
+    h = model.final_norm(model.run_layers(x, keep))
+    return model.logits(h[:, cfg.text_len + k], "image").float()
 
 
 @torch.no_grad()
@@ -76,9 +88,7 @@ def generate_images(model: DalleTransformer, text: torch.Tensor, *, temperature:
                     h = model.decode_step((codes[:, k] + cfg.text_vocab_size)[:, None], t + 1 + k, state)[:, -1]
         else:
             for k in range(n):
-                x = model.embed(text, model.image_stream(codes))
-                h = model.final_norm(model.run_layers(x, keep))
-                logits = model.logits(h[:, t + k], "image").float()
+                logits = uncached_logits(model, text, keep, codes, k)
                 codes[:, k] = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
                 if return_logits:
                     all_logits.append(logits)
