@@ -11,7 +11,8 @@ Every pattern exists twice: ``pattern_mask`` builds the dense boolean (queries x
 from index arithmetic (the reference, also used for cached decoding, where one row costs
 O(sequence)); ``Attention`` computes the same thing efficiently by grouping image queries into
 blocks (a row, a column, or a band of rows) that only ever see their own block plus the text.
-Tests compare the two on random inputs.
+Tests compare the two on random inputs. ``choose_impl`` decides per layer which one runs when
+the model's ``attention_impl`` is ``"auto"`` (the default): dense for short sequences.
 """
 
 from __future__ import annotations
@@ -123,12 +124,13 @@ class Rotary(nn.Module):
 # ---- which implementation a layer runs ---------------------------------------------------
 IMPLS = ("auto", "efficient", "dense")
 
-# Below this many positions "auto" runs the dense reference: at short sequences one masked
-# SDPA over the whole (short) sequence costs less than the block layout's extra copies and
-# calls. Measured on 2 CPU cores, whole training steps (benchmarks/bench_model.py): the demo
-# preset (96 positions) trains ~1.5x faster dense; 16x16 grids with 64 text positions (320)
-# are about even; from 32x32 grids (1088) efficient wins. If your device shows a different
-# crossover (``bench_model.py`` prints both), move this number.
+# Below this many positions "auto" runs the dense reference. Short sequences leave little to
+# skip and the block layout spends more, smaller ops (copies, two score matmuls, a cat), which
+# per-op overhead punishes (threads on a busy CPU; kernel launches on a GPU, not measured
+# here). Measured whole training steps (benchmarks/bench_model.py, 2 shared CPU cores): the
+# demo preset (96 positions) runs the two within 10% of each other on one thread and dense
+# ~1.4x faster on two; 16x16 grids after 64 text tokens (320) gain ~1.1x from efficient, 32x32
+# (1088) ~1.7x. If your device shows another crossover (the bench prints both), move this.
 AUTO_EFFICIENT_MIN_SEQ = 256
 
 
@@ -181,12 +183,11 @@ def _static_block_bias(pattern: str, rows: int, cols: int, conv_kernel: int, dev
 
 @dataclass
 class AttentionContext:
-    """Per-forward state shared by all layers: which text is real, how long the sequence is,
-    and the masks, built on first use and reused by every layer of this forward."""
+    """Per-forward state shared by all layers: which text is real, which implementation, and
+    the masks, built on first use and reused by every layer of this forward."""
 
     text_keep: torch.Tensor  # (batch, text_len) bool
     impl: str = "auto"  # "efficient", "dense" (the reference), or "auto" (see choose_impl)
-    seq_len: int | None = None  # text_len + whole image rows; None means the full sequence
     _masks: dict = field(default_factory=dict)
 
     def mask(self, key, build):
@@ -358,7 +359,8 @@ class Attention(nn.Module):
         q, k, v = self._heads(qkv_image, t, column_major=column_major)
         out_image = self._image_attention(q, k, v, k_t, v_t, rows, ctx)  # (b, h, image, dh)
         if column_major:  # back to raster order, (b, image, h, dh)
-            out_image = out_image.view(b, cfg.heads, w, rows, -1).permute(0, 3, 2, 1, 4).reshape(b, n - t, cfg.heads, -1)
+            out_image = out_image.view(b, cfg.heads, w, rows, -1).permute(0, 3, 2, 1, 4)
+            out_image = out_image.reshape(b, n - t, cfg.heads, -1)
         else:
             out_image = out_image.transpose(1, 2)
         out = torch.cat([out_text.transpose(1, 2), out_image], dim=1)  # (b, n, h, dh), one copy

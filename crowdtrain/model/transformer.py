@@ -157,7 +157,7 @@ class DalleTransformer(nn.Module):
                              f"up to {cfg.seq_len} positions), got {n}")
         if self.attention_impl not in IMPLS:
             raise ValueError(f"model.attention_impl={self.attention_impl!r}; choose from {list(IMPLS)}")
-        ctx = AttentionContext(text_keep=text_keep, impl=self.attention_impl, seq_len=n)
+        ctx = AttentionContext(text_keep=text_keep, impl=self.attention_impl)
         branches = self._branches(ctx)
         if self.config.reversible:
             params = [p for m in (self.attn, self.ff, self.layers) for p in m.parameters()]
