@@ -364,6 +364,33 @@ def test_decode_masks_are_built_once_per_step_and_pattern():
     assert (bias[torch.isfinite(bias)] == 0).all()
 
 
+@pytest.mark.parametrize("conv_kernel", [3, 5])
+def test_decode_steps_read_exactly_the_keys_each_pattern_allows(conv_kernel):
+    """A one-token step attends to the text plus a span of image cells; unmasked, those are
+    exactly the keys the dense reference mask allows, for every cell of every pattern."""
+    cfg = small_config(conv_kernel=conv_kernel)
+    model = DalleTransformer(cfg)
+    text, _ = random_batch(cfg)
+    state = model.new_decode_state(text)
+    keep = model.text_keep(text)
+    t = cfg.text_len
+    for pattern in ("axial_row", "axial_col", "full", "conv_like"):
+        for cell in range(cfg.image_len):
+            start = t + cell
+            cells, mask = state.step_inputs(pattern, start, 1)
+            positions = torch.cat([torch.arange(t), t + torch.arange(cell + 1)[cells]])
+            assert mask.shape == (3, 1, 1, len(positions))
+            seen = torch.zeros(3, start + 1, dtype=torch.bool)
+            seen[:, positions] = mask[:, 0, 0]
+            reference = pattern_mask(pattern, cfg, keep, q_pos=torch.tensor([start]), num_keys=start + 1)[:, 0]
+            assert torch.equal(seen, reference), (pattern, cell)
+            if pattern != "full":
+                assert len(positions) - t <= (conv_kernel // 2 + 1) * cfg.image_width
+    _, bias = state.step_inputs("axial_col", t + 7, 1, torch.float32)
+    assert torch.equal(torch.isfinite(bias), state.step_inputs("axial_col", t + 7, 1)[1])
+    assert state.step_inputs("axial_row", 2, t)[0] is None, "prefill attends over every key"
+
+
 def test_cached_decoding_under_bf16_autocast_follows_fp32():
     torch.manual_seed(0)
     cfg = small_config()

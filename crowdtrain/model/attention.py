@@ -8,8 +8,8 @@ Who may attend to whom (position i attends to key j only if j <= i, and):
   ``conv_like`` a causal k x k window centred on it (rows r-k//2..r, columns c-k//2..c+k//2).
 
 Every pattern exists twice: ``pattern_mask`` builds the dense boolean (queries x keys) mask
-from index arithmetic (the reference, also used for cached decoding, where one row costs
-O(sequence)); ``Attention`` computes the same thing efficiently by grouping image queries into
+from index arithmetic (the reference, also used to prefill the KV cache; a one-token decoding
+step sees only the text and its block, ``DecodeState.step_inputs``); ``Attention`` computes the same thing efficiently by grouping image queries into
 blocks (a row, a column, or a band of rows) that only ever see their own block plus the text.
 Tests compare the two on random inputs. ``choose_impl`` decides per layer which one runs when
 the model's ``attention_impl`` is ``"auto"`` (the default): dense for short sequences.
@@ -228,6 +228,12 @@ class DecodeState:
     The image-to-image part of each pattern's mask is built once, ``(image_len, image_len)``,
     as an additive bias; a step's bias row is the real-text bias plus one row of it (one cat
     per pattern per step, shared by every layer of that pattern).
+
+    A one-token image step (``step_inputs``) attends to the text plus only the span of cached
+    cells its pattern can allow: from the first allowed cell to itself, every ``image_width``-th
+    cell for ``axial_col``. That is the block of the training path (a row, a column, a band),
+    so a step reads O(text + block) cached keys per layer instead of O(sequence): after 64
+    text tokens on a 32x32 grid, at most 96 (axial) or 160 (5x5 conv) of up to 1088.
     """
 
     def __init__(self, config: ModelConfig, text_keep: torch.Tensor):
@@ -238,6 +244,8 @@ class DecodeState:
         self.image_allowed = {p: image_pattern_allows(p, cells, cells, width=config.image_width,
                                                       conv_kernel=config.conv_kernel)
                               for p in dict.fromkeys(config.patterns)}
+        # First cell each cell's pattern allows (the diagonal always is, so argmax finds one).
+        self._first = {p: a.int().argmax(dim=1).tolist() for p, a in self.image_allowed.items()}
         self._additive: dict = {}  # (name, dtype) -> additive bias tables, built on first use
         self._step: tuple | None = None
         self._step_masks: dict = {}
@@ -257,6 +265,30 @@ class DecodeState:
         key = (pattern, dtype)
         if key not in self._step_masks:
             self._step_masks[key] = self._build(pattern, start, n, dtype)
+        return self._step_masks[key]
+
+    def step_inputs(self, pattern: str, start: int, n: int,
+                    dtype: torch.dtype = torch.bool) -> tuple[slice | None, torch.Tensor]:
+        """``(image_keys, mask)`` for ``Attention.forward_cached``. For one image query,
+        ``image_keys`` selects the cached image cells it may see (a slice of cell indices, with
+        step ``image_width`` for ``axial_col``) and ``mask`` is ``(batch, 1, 1, text_len + cells)``
+        over the text and those cells; otherwise ``(None, self.mask(...))`` over every key."""
+        t = self.config.text_len
+        if not (n == 1 and start >= t):
+            return None, self.mask(pattern, start, n, dtype)
+        if self._step != (start, n):
+            self._step, self._step_masks = (start, n), {}
+        key = ("keys", pattern, dtype)
+        if key not in self._step_masks:
+            cell = start - t
+            cells = slice(self._first[pattern][cell], cell + 1,
+                          self.config.image_width if pattern == "axial_col" else 1)
+            if dtype == torch.bool:
+                text, row = self.text_keep, self.image_allowed[pattern][cell, cells]
+            else:
+                text, row = self._table("text", dtype), self._table(pattern, dtype)[cell, cells]
+            mask = torch.cat([text, row.expand(text.shape[0], -1)], dim=1)[:, None, None, :]
+            self._step_masks[key] = (cells, mask)
         return self._step_masks[key]
 
     def _build(self, pattern: str, start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -432,13 +464,17 @@ class Attention(nn.Module):
 
     # ---- incremental decoding -----------------------------------------------------------
     def forward_cached(self, x_new: torch.Tensor, start: int, cache: KVCache, mask: torch.Tensor,
-                       tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       image_keys: slice | None = None) -> torch.Tensor:
         """Attend for new positions ``start..start+n-1`` given the cache of all earlier ones.
 
-        ``mask`` is ``(batch, 1, n, start+n)`` from ``DecodeState.mask`` (bool or additive);
-        ``tables`` the step's rotary tables from ``decode_tables`` (computed here if None; a
-        decoding step computes them once for all layers). Costs O(sequence) per new token, one
-        pass over the cached keys, in about ten ops per layer.
+        ``image_keys`` and ``mask`` come from ``DecodeState.step_inputs``: with ``image_keys``
+        None, ``mask`` is ``(batch, 1, n, start+n)`` over every cached key (bool or additive);
+        otherwise the query sees the text and the cached image cells ``image_keys`` (copied
+        next to the text keys unless they already follow it), and ``mask`` covers those.
+        ``tables`` are the step's rotary tables from ``decode_tables`` (computed here if None; a
+        decoding step computes them once for all layers). Costs O(text + block) per image token,
+        in about ten ops per layer.
         """
         cfg = self.config
         b, n, _ = x_new.shape
@@ -454,6 +490,10 @@ class Attention(nn.Module):
         if rotary is None:
             q = q * cfg.head_dim ** -0.5
         k_all, v_all = cache.append(k.transpose(1, 2), v.squeeze(2).transpose(1, 2))
+        if image_keys is not None and (image_keys.start, image_keys.step) != (0, 1):
+            t = cfg.text_len
+            k_all = torch.cat([k_all[:, :, :t], k_all[:, :, t:][:, :, image_keys]], dim=2)
+            v_all = torch.cat([v_all[:, :, :t], v_all[:, :, t:][:, :, image_keys]], dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask, scale=1.0)
         return self._merge(out)
 

@@ -1,7 +1,8 @@
 """Autoregressive sampling of image codes with a KV cache, top-k / top-p and temperature.
 
 The paper found top-k 256 or top-p 0.75 improve quality over plain sampling. With the cache,
-each image token costs one layer pass for one position plus one pass over the cached keys;
+each image token costs one layer pass for one position plus one pass over the cached keys its
+layer's pattern can allow (the text and the token's row, column or band);
 ``use_cache=False`` re-runs the model's normal forward over the prefix instead (the text and the
 image rows up to the token's row) for every token, the baseline of ``benchmarks/bench_model.py``.
 """

@@ -210,12 +210,12 @@ class DalleTransformer(nn.Module):
         x1 = x2 = x
         for i in range(self.config.depth):
             norms, attn, ff = self.layer_modules(i)
-            mask = state.mask(attn.pattern, start, n, dtype)
+            keys, mask = state.step_inputs(attn.pattern, start, n, dtype)
             if reversible:
-                x1 = x1 + attn.forward_cached(norms.attn_norm(x2), start, state.caches[i], mask, tables)
+                x1 = x1 + attn.forward_cached(norms.attn_norm(x2), start, state.caches[i], mask, tables, keys)
                 x2 = x2 + ff(norms.ff_norm(x1))
             else:
-                x1 = x1 + attn.forward_cached(norms.attn_norm(x1), start, state.caches[i], mask, tables)
+                x1 = x1 + attn.forward_cached(norms.attn_norm(x1), start, state.caches[i], mask, tables, keys)
                 x1 = x1 + ff(norms.ff_norm(x1))
         out = (x1 + x2) / 2 if self.config.reversible else x1
         return self.final_norm(out)
