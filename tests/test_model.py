@@ -2,13 +2,15 @@
 parameter counts, and cached decoding."""
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 
 from crowdtrain.measure import peak_memory_bytes
 from crowdtrain.model import DalleTransformer, ModelConfig, generate_images, get_preset
-from crowdtrain.model.attention import pattern_mask
+from crowdtrain.model import attention
+from crowdtrain.model.attention import Attention, choose_impl, pattern_mask
 from crowdtrain.model.info import build_meta_model, model_info
 from crowdtrain.model.sampling import filter_logits
 
@@ -102,6 +104,113 @@ def test_efficient_attention_equals_dense_reference_forward_and_backward(pattern
     torch.testing.assert_close(fast.text_logits, dense.text_logits, rtol=1e-10, atol=1e-10)
     for name in dense_grads:
         torch.testing.assert_close(fast_grads[name], dense_grads[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+def _efficient_vs_dense(model, text, image_in, prefix_rows=None):
+    """Hidden states and all grads of run_layers under both implementations (float64)."""
+    cfg = model.config
+    results = {}
+    for impl in ("dense", "efficient"):
+        model.zero_grad()
+        model.attention_impl = impl
+        x = model.embed(text, image_in)
+        if prefix_rows is not None:
+            x = x[:, : cfg.text_len + prefix_rows * cfg.image_width]
+        h = model.run_layers(x, model.text_keep(text))
+        (h * torch.linspace(-1, 1, h.numel(), dtype=h.dtype).view_as(h)).sum().backward()
+        results[impl] = h, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return results
+
+
+def test_efficient_equals_dense_across_shapes_in_one_process():
+    """The static block biases are cached per (pattern, grid, device, dtype): shapes that follow
+    each other in one process (other grids, image prefixes of fewer rows, a wider conv window
+    than the grid has rows) must each get their own and still match the dense reference."""
+    torch.manual_seed(0)
+    patterns = ("axial_row", "axial_col", "conv_like", "full")
+    for height, width, kernel in [(5, 4, 3), (3, 6, 5), (6, 3, 5)]:
+        cfg = small_config(image_height=height, image_width=width, conv_kernel=kernel, patterns=patterns)
+        model = DalleTransformer(cfg).double()
+        text, image = random_batch(cfg)
+        image_in = model.image_stream(image)
+        for rows in (height, 1, 2):
+            out = _efficient_vs_dense(model, text, image_in, prefix_rows=rows)
+            (h_dense, g_dense), (h_fast, g_fast) = out["dense"], out["efficient"]
+            assert h_fast.shape[1] == cfg.text_len + rows * width
+            torch.testing.assert_close(h_fast, h_dense, rtol=1e-10, atol=1e-10)
+            assert g_fast.keys() == g_dense.keys()
+            for name in g_dense:
+                torch.testing.assert_close(g_fast[name], g_dense[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_a_prefix_of_whole_rows_gives_the_full_sequences_outputs():
+    """Causality: the text plus the first rows, run alone, equal those positions of the full
+    sequence (the uncached sampling baseline relies on this); other lengths are refused."""
+    torch.manual_seed(0)
+    cfg = small_config()
+    model = DalleTransformer(cfg).double()
+    text, image = random_batch(cfg)
+    x = model.embed(text, model.image_stream(image))
+    keep = model.text_keep(text)
+    for impl in ("efficient", "dense"):
+        model.attention_impl = impl
+        full = model.run_layers(x, keep)
+        n = cfg.text_len + 2 * cfg.image_width
+        torch.testing.assert_close(model.run_layers(x[:, :n], keep), full[:, :n], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="whole image rows"):
+        model.run_layers(x[:, : cfg.text_len + 3], keep)
+    model.attention_impl = "sparse"
+    with pytest.raises(ValueError, match="choose from"):
+        model.run_layers(x, keep)
+
+
+def test_static_block_bias_cache_is_keyed_by_shape_device_and_dtype():
+    build = attention._static_block_bias
+    cpu = torch.device("cpu")
+    a = build("conv_like", 4, 5, 3, cpu, torch.float32)
+    assert build("conv_like", 4, 5, 3, cpu, torch.float32) is a, "same key, same tensor"
+    assert a.shape == (4, 5, 2 * 5)
+    assert build("conv_like", 3, 5, 3, cpu, torch.float32).shape == (3, 5, 10)
+    assert build("conv_like", 4, 5, 3, cpu, torch.float64).dtype == torch.float64
+    meta = build("conv_like", 4, 5, 3, torch.device("meta"), torch.float32)
+    assert meta.device.type == "meta" and a.device.type == "cpu"
+    assert build("axial_col", 4, 5, 3, cpu, torch.float32).shape == (1, 4, 4)
+    assert build("axial_row", 4, 5, 3, cpu, torch.float32).shape == (1, 5, 5)
+    # Query (1, 2) of a 3x3 conv window: key rows 0..1, columns 1..3, nothing after itself.
+    allowed = torch.isfinite(a[1, 2]).view(2, 5)
+    assert allowed.nonzero().tolist() == [[0, 1], [0, 2], [0, 3], [1, 1], [1, 2]]
+
+
+def test_auto_picks_dense_for_short_sequences_and_full_and_efficient_for_long_ones():
+    long_seq = attention.AUTO_EFFICIENT_MIN_SEQ
+    assert choose_impl("auto", "axial_row", long_seq - 1) == "dense"
+    assert choose_impl("auto", "axial_row", long_seq) == "efficient"
+    assert choose_impl("auto", "conv_like", 4 * long_seq) == "efficient"
+    assert choose_impl("auto", "full", 4 * long_seq) == "dense"
+    assert choose_impl("efficient", "axial_row", 8) == "efficient"
+    assert choose_impl("dense", "axial_col", 4 * long_seq) == "dense"
+    with pytest.raises(ValueError, match="unknown attention implementation"):
+        choose_impl("flash", "axial_row", 8)
+    assert DalleTransformer(small_config()).attention_impl == "auto"
+
+    # What auto says is what runs: the block path is entered only for long sequences.
+    torch.manual_seed(0)
+    side = 1 + int((long_seq - 6) ** 0.5)  # smallest square grid whose sequence is long
+    cfg = small_config(image_height=side, image_width=side, patterns=("axial_row", "axial_col", "conv_like", "full"))
+    assert cfg.seq_len >= long_seq > cfg.text_len + 2 * side
+    model = DalleTransformer(cfg).double()
+    text, image = random_batch(cfg, batch=2)
+    x = model.embed(text, model.image_stream(image))
+    keep = model.text_keep(text)
+    with mock.patch.object(Attention, "_image_attention", autospec=True,
+                           side_effect=Attention._image_attention) as blocks:
+        auto = model.run_layers(x, keep)
+        assert sorted(call.args[0].pattern for call in blocks.call_args_list) == ["axial_col", "axial_row", "conv_like"]
+        blocks.reset_mock()
+        model.run_layers(x[:, : cfg.text_len + 2 * side], keep)  # a short prefix: all dense
+        assert blocks.call_count == 0
+    model.attention_impl = "dense"
+    torch.testing.assert_close(auto, model.run_layers(x, keep), rtol=1e-10, atol=1e-10)
 
 
 def test_padding_is_neither_attended_to_nor_trained_on():
@@ -238,6 +347,61 @@ def test_cached_decoding_logits_equal_the_full_forward(reversible):
     torch.testing.assert_close(logits, full.image_logits, rtol=1e-9, atol=1e-9)
     _, uncached = generate_images(model, text, seed=3, top_k=None, return_logits=True, use_cache=False)
     torch.testing.assert_close(uncached, logits, rtol=1e-9, atol=1e-9)
+
+
+def test_decode_masks_are_built_once_per_step_and_pattern():
+    cfg = small_config()
+    model = DalleTransformer(cfg)
+    text, _ = random_batch(cfg)
+    state = model.new_decode_state(text)
+    start = cfg.text_len + 3
+    bias = state.mask("conv_like", start, 1, torch.float32)
+    assert state.mask("conv_like", start, 1, torch.float32) is bias, "layers of one step share it"
+    assert state.mask("conv_like", start + 1, 1, torch.float32) is not bias
+    reference = pattern_mask("conv_like", cfg, model.text_keep(text), q_pos=torch.tensor([start]), num_keys=start + 1)
+    assert torch.equal(torch.isfinite(bias)[:, 0], reference)
+    assert torch.equal(state.mask("conv_like", start, 1)[:, 0], reference), "bool masks too"
+    assert (bias[torch.isfinite(bias)] == 0).all()
+
+
+@pytest.mark.parametrize("conv_kernel", [3, 5])
+def test_decode_steps_read_exactly_the_keys_each_pattern_allows(conv_kernel):
+    """A one-token step attends to the text plus a span of image cells; unmasked, those are
+    exactly the keys the dense reference mask allows, for every cell of every pattern."""
+    cfg = small_config(conv_kernel=conv_kernel)
+    model = DalleTransformer(cfg)
+    text, _ = random_batch(cfg)
+    state = model.new_decode_state(text)
+    keep = model.text_keep(text)
+    t = cfg.text_len
+    for pattern in ("axial_row", "axial_col", "full", "conv_like"):
+        for cell in range(cfg.image_len):
+            start = t + cell
+            cells, mask = state.step_inputs(pattern, start, 1)
+            positions = torch.cat([torch.arange(t), t + torch.arange(cell + 1)[cells]])
+            assert mask.shape == (3, 1, 1, len(positions))
+            seen = torch.zeros(3, start + 1, dtype=torch.bool)
+            seen[:, positions] = mask[:, 0, 0]
+            reference = pattern_mask(pattern, cfg, keep, q_pos=torch.tensor([start]), num_keys=start + 1)[:, 0]
+            assert torch.equal(seen, reference), (pattern, cell)
+            if pattern != "full":
+                assert len(positions) - t <= (conv_kernel // 2 + 1) * cfg.image_width
+    _, bias = state.step_inputs("axial_col", t + 7, 1, torch.float32)
+    assert torch.equal(torch.isfinite(bias), state.step_inputs("axial_col", t + 7, 1)[1])
+    assert state.step_inputs("axial_row", 2, t)[0] is None, "prefill attends over every key"
+
+
+def test_cached_decoding_under_bf16_autocast_follows_fp32():
+    torch.manual_seed(0)
+    cfg = small_config()
+    model = DalleTransformer(cfg)
+    text, _ = random_batch(cfg)
+    _, reference = generate_images(model, text, temperature=0, return_logits=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, logits = generate_images(model, text, temperature=0, return_logits=True)
+    assert torch.isfinite(logits).all()
+    cos = torch.nn.functional.cosine_similarity(logits[:, 0].flatten(), reference[:, 0].flatten(), dim=0)
+    assert cos > 0.99, cos
 
 
 def test_sampling_is_seeded_and_respects_top_k_and_top_p():

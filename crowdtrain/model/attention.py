@@ -8,14 +8,16 @@ Who may attend to whom (position i attends to key j only if j <= i, and):
   ``conv_like`` a causal k x k window centred on it (rows r-k//2..r, columns c-k//2..c+k//2).
 
 Every pattern exists twice: ``pattern_mask`` builds the dense boolean (queries x keys) mask
-from index arithmetic (the reference, also used for cached decoding, where one row costs
-O(sequence)); ``Attention`` computes the same thing efficiently by grouping image queries into
+from index arithmetic (the reference, also used to prefill the KV cache; a one-token decoding
+step sees only the text and its block, ``DecodeState.step_inputs``); ``Attention`` computes the same thing efficiently by grouping image queries into
 blocks (a row, a column, or a band of rows) that only ever see their own block plus the text.
-Tests compare the two on random inputs.
+Tests compare the two on random inputs. ``choose_impl`` decides per layer which one runs when
+the model's ``attention_impl`` is ``"auto"`` (the default): dense for short sequences.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -77,12 +79,22 @@ def pattern_mask(pattern: str, config: ModelConfig, text_keep: torch.Tensor,
 
 
 # ---- rotary embeddings -------------------------------------------------------------------
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in three ops: rotate-half's sign lives in ``sin``
+    (first half negated) and its swap is a roll by half the head."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
 class Rotary(nn.Module):
     """Rotary position embeddings: 1-D over text positions, axial 2-D over image cells.
 
     Text position p rotates every pair of a head by ``p * freq``. An image cell (r, c) rotates
     the first half of the pairs by ``r * freq`` and the second half by ``c * freq``. Text and
     image never share a relative-position meaning, so this is all the model needs.
+
+    The tables are ``(2, seq_len, head_dim)``: row 0 for queries, row 1 for keys. The query row
+    also carries the softmax scale 1/sqrt(head_dim), so queries leave the rotation already
+    scaled and no attention path spends an op on it (they call SDPA with ``scale=1``).
     """
 
     def __init__(self, config: ModelConfig, base: float = 10000.0):
@@ -98,28 +110,87 @@ class Rotary(nn.Module):
         cols = (cells % config.image_width).float()
         image_angles = torch.cat([rows[:, None] * inv_axis[None, :], cols[:, None] * inv_axis[None, :]], dim=-1)
         angles = torch.cat([text_angles, image_angles], dim=0)  # (seq_len, dh/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (seq_len, dh) for rotate-half
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (seq_len, dh)
+        scale = dh ** -0.5
+        self.register_buffer("cos", torch.stack([cos * scale, cos]), persistent=False)
+        self.register_buffer("sin", torch.stack([sin * scale, sin]), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: slice | torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` (..., n, head_dim) whose rows sit at sequence ``positions``."""
-        cos = self.cos[positions].to(x.dtype)
-        sin = self.sin[positions].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def tables(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(2, length, head_dim) cos and signed sin for positions start..start+length-1 (views)."""
+        return self.cos[:, start: start + length].to(dtype), self.sin[:, start: start + length].to(dtype)
 
 
-# ---- the attention module ----------------------------------------------------------------
+# ---- which implementation a layer runs ---------------------------------------------------
+IMPLS = ("auto", "efficient", "dense")
+
+# Below this many positions "auto" runs the dense reference. Short sequences leave little to
+# skip and the block layout spends more, smaller ops (copies, two score matmuls, a cat), which
+# per-op overhead punishes (threads on a busy CPU; kernel launches on a GPU, not measured
+# here). Measured whole training steps (benchmarks/bench_model.py, 2 shared CPU cores): the
+# demo preset (96 positions) runs the two within 10% of each other on one thread and dense
+# ~1.4x faster on two; 16x16 grids after 64 text tokens (320) gain ~1.1x from efficient, 32x32
+# (1088) ~1.7x. If your device shows another crossover (the bench prints both), move this.
+AUTO_EFFICIENT_MIN_SEQ = 256
+
+
+def choose_impl(impl: str, pattern: str, seq_len: int) -> str:
+    """The implementation one layer runs: ``impl`` itself unless it is ``"auto"``.
+
+    ``auto`` picks ``dense`` for the ``full`` pattern (its efficient form attends to every
+    earlier cell anyway, so there is nothing to skip) and for sequences shorter than
+    ``AUTO_EFFICIENT_MIN_SEQ``, and ``efficient`` otherwise.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; choose from {list(IMPLS)}")
+    if impl != "auto":
+        return impl
+    return "dense" if pattern == "full" or seq_len < AUTO_EFFICIENT_MIN_SEQ else "efficient"
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask -> additive bias: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+@functools.lru_cache(maxsize=64)
+def _static_block_bias(pattern: str, rows: int, cols: int, conv_kernel: int, device: torch.device,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias of the image keys inside each block; depends only on shapes, so it is
+    built once per (pattern, grid, device, dtype) and shared by every forward.
+
+    ``axial_row``: (1, cols, cols) causal; ``axial_col``: (1, rows, rows) causal;
+    ``conv_like``: (rows, cols, (half+1)*cols), query (r, c) against band slot (o, c') holding
+    key row r-half+o (rows above the image are zero padding and never allowed).
+    """
+    if pattern == "axial_row":
+        allowed = torch.ones(cols, cols, dtype=torch.bool, device=device).tril()[None]
+    elif pattern == "axial_col":
+        allowed = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()[None]
+    elif pattern == "conv_like":
+        half = conv_kernel // 2
+        r = torch.arange(rows, device=device)[:, None, None, None]
+        c = torch.arange(cols, device=device)[None, :, None, None]
+        o = torch.arange(half + 1, device=device)[None, None, :, None]
+        c2 = torch.arange(cols, device=device)[None, None, None, :]
+        key_row = r - half + o
+        allowed = (key_row >= 0) & ((c - c2).abs() <= half) & ((key_row < r) | (c2 <= c))
+        allowed = allowed.reshape(rows, cols, (half + 1) * cols)
+    else:
+        raise ValueError(f"pattern {pattern!r} has no block layout")
+    return _additive(allowed, dtype)
+
+
 @dataclass
 class AttentionContext:
-    """Per-forward state shared by all layers: which text is real, and masks built once."""
+    """Per-forward state shared by all layers: which text is real, which implementation, and
+    the masks, built on first use and reused by every layer of this forward."""
 
     text_keep: torch.Tensor  # (batch, text_len) bool
-    impl: str = "efficient"  # or "dense": the reference path, for tests and benchmarks
+    impl: str = "auto"  # "efficient", "dense" (the reference), or "auto" (see choose_impl)
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, key: str, build):
+    def mask(self, key, build):
         if key not in self._masks:
             self._masks[key] = build()
         return self._masks[key]
@@ -128,8 +199,8 @@ class AttentionContext:
 class KVCache:
     """Keys and values of one layer for incremental decoding, preallocated to the sequence length.
 
-    ``keys()`` and ``values()`` are views ``(batch, heads, filled, head_dim)``; appending writes in
-    place, so a decoding step copies only the new token's keys, not the whole cache.
+    ``append`` returns views ``(batch, heads, filled, head_dim)``; appending writes in place, so
+    a decoding step copies only the new token's keys, not the whole cache.
     """
 
     def __init__(self, capacity: int):
@@ -154,8 +225,15 @@ class KVCache:
 class DecodeState:
     """Everything incremental decoding keeps between steps: per-layer caches and the masks.
 
-    The image-to-image part of each pattern's mask is built once, ``(image_len, image_len)``; a
-    step's mask row is the real-text flags plus one row of it, O(sequence) per token.
+    The image-to-image part of each pattern's mask is built once, ``(image_len, image_len)``,
+    as an additive bias; a step's bias row is the real-text bias plus one row of it (one cat
+    per pattern per step, shared by every layer of that pattern).
+
+    A one-token image step (``step_inputs``) attends to the text plus only the span of cached
+    cells its pattern can allow: from the first allowed cell to itself, every ``image_width``-th
+    cell for ``axial_col``. That is the block of the training path (a row, a column, a band),
+    so a step reads O(text + block) cached keys per layer instead of O(sequence): after 64
+    text tokens on a 32x32 grid, at most 96 (axial) or 160 (5x5 conv) of up to 1088.
     """
 
     def __init__(self, config: ModelConfig, text_keep: torch.Tensor):
@@ -163,22 +241,87 @@ class DecodeState:
         self.text_keep = text_keep
         self.caches = [KVCache(config.seq_len) for _ in range(config.depth)]
         cells = torch.arange(config.image_len, device=text_keep.device)
-        self.image_masks = {p: image_pattern_allows(p, cells, cells, width=config.image_width,
-                                                    conv_kernel=config.conv_kernel)
-                            for p in dict.fromkeys(config.patterns)}
+        self.image_allowed = {p: image_pattern_allows(p, cells, cells, width=config.image_width,
+                                                      conv_kernel=config.conv_kernel)
+                              for p in dict.fromkeys(config.patterns)}
+        # First cell each cell's pattern allows (the diagonal always is, so argmax finds one).
+        self._first = {p: a.int().argmax(dim=1).tolist() for p, a in self.image_allowed.items()}
+        self._additive: dict = {}  # (name, dtype) -> additive bias tables, built on first use
+        self._step: tuple | None = None
+        self._step_masks: dict = {}
 
-    def mask(self, pattern: str, start: int, n: int) -> torch.Tensor:
-        """(batch, 1, n, start+n) mask for queries at positions start..start+n-1."""
+    def _table(self, name, dtype: torch.dtype) -> torch.Tensor:
+        key = (name, dtype)
+        if key not in self._additive:
+            allowed = self.text_keep if name == "text" else self.image_allowed[name]
+            self._additive[key] = _additive(allowed, dtype)
+        return self._additive[key]
+
+    def mask(self, pattern: str, start: int, n: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """(batch, 1, n, start+n) mask for queries at positions start..start+n-1: bool, or an
+        additive bias of ``dtype``. Cached for the current step, so layers share it."""
+        if self._step != (start, n):
+            self._step, self._step_masks = (start, n), {}
+        key = (pattern, dtype)
+        if key not in self._step_masks:
+            self._step_masks[key] = self._build(pattern, start, n, dtype)
+        return self._step_masks[key]
+
+    def step_inputs(self, pattern: str, start: int, n: int,
+                    dtype: torch.dtype = torch.bool) -> tuple[slice | None, torch.Tensor]:
+        """``(image_keys, mask)`` for ``Attention.forward_cached``. For one image query,
+        ``image_keys`` selects the cached image cells it may see (a slice of cell indices, with
+        step ``image_width`` for ``axial_col``) and ``mask`` is ``(batch, 1, 1, text_len + cells)``
+        over the text and those cells; otherwise ``(None, self.mask(...))`` over every key."""
         t = self.config.text_len
+        if not (n == 1 and start >= t):
+            return None, self.mask(pattern, start, n, dtype)
+        if self._step != (start, n):
+            self._step, self._step_masks = (start, n), {}
+        key = ("keys", pattern, dtype)
+        if key not in self._step_masks:
+            cell = start - t
+            cells = slice(self._first[pattern][cell], cell + 1,
+                          self.config.image_width if pattern == "axial_col" else 1)
+            if dtype == torch.bool:
+                text, row = self.text_keep, self.image_allowed[pattern][cell, cells]
+            else:
+                text, row = self._table("text", dtype), self._table(pattern, dtype)[cell, cells]
+            mask = torch.cat([text, row.expand(text.shape[0], -1)], dim=1)[:, None, None, :]
+            self._step_masks[key] = (cells, mask)
+        return self._step_masks[key]
+
+    def _build(self, pattern: str, start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        t, b = self.config.text_len, self.text_keep.shape[0]
         if n == 1 and start >= t:
-            row = self.image_masks[pattern][start - t, : start - t + 1]
-            b = self.text_keep.shape[0]
-            return torch.cat([self.text_keep, row.expand(b, -1)], dim=1)[:, None, None, :]
+            cell = start - t
+            if dtype == torch.bool:
+                text, row = self.text_keep, self.image_allowed[pattern][cell, : cell + 1]
+            else:
+                text, row = self._table("text", dtype), self._table(pattern, dtype)[cell, : cell + 1]
+            return torch.cat([text, row.expand(b, -1)], dim=1)[:, None, None, :]
         q_pos = torch.arange(start, start + n, device=self.text_keep.device)
-        return pattern_mask(pattern, self.config, self.text_keep, q_pos=q_pos, num_keys=start + n)[:, None]
+        allowed = pattern_mask(pattern, self.config, self.text_keep, q_pos=q_pos, num_keys=start + n)[:, None]
+        return allowed if dtype == torch.bool else _additive(allowed, dtype)
 
 
 class Attention(nn.Module):
+    """One attention layer with a fixed image pattern; see the module docstring for the rules.
+
+    Training forward (``forward``) has two implementations that compute the same function:
+
+    - ``dense``: one SDPA call with the (seq x seq) boolean mask of ``pattern_mask``. Cost grows
+      with seq^2; it is the reference, and the faster choice for short sequences.
+    - ``efficient``: text queries attend to the text; image queries are grouped into blocks
+      (a row, a column, or a row with the band of rows above it for ``conv_like``) whose keys
+      are the text plus the block's own cells. Scores are ``q @ k_text^T`` for all image
+      queries at once (text keys are never copied per block) next to ``q_block @ k_block^T``,
+      one softmax over both, then ``p_text @ v_text + p_block @ v_block``. Each image query
+      touches text_len + block keys instead of seq, and every op is a plain batched matmul or
+      elementwise op, so it runs the same on any device. Columns are laid out column-major by
+      the same copy that splits the heads, so blocks are always views.
+    """
+
     def __init__(self, config: ModelConfig, pattern: str, rotary: Rotary | None):
         super().__init__()
         self.config = config
@@ -189,127 +332,174 @@ class Attention(nn.Module):
         # Not a submodule: the rotary tables belong to the model, shared by every layer.
         self._rotary = [rotary]
 
-    def _project(self, x: torch.Tensor, positions):
-        b, n, _ = x.shape
-        q, k, v = self.to_qkv(x).view(b, n, 3, self.config.heads, self.config.head_dim).permute(2, 0, 3, 1, 4)
+    # ---- projections -------------------------------------------------------------------
+    def _heads(self, qkv: torch.Tensor, start: int, *, column_major: bool = False):
+        """Projections ``(b, len, 3*inner)`` of positions start.. -> q, k, v, each contiguous
+        ``(b, heads, len, head_dim)``, q rotated and scaled, k rotated.
+
+        ``column_major``: the positions are whole image rows, and come out ordered column by
+        column (the layout ``axial_col`` blocks need), in the same single copy.
+        """
+        cfg = self.config
+        b, length, _ = qkv.shape
+        h, dh, w = cfg.heads, cfg.head_dim, cfg.image_width
+        z = qkv.view(b, length, 3, h, dh)
+        if column_major:
+            rows = length // w
+            z = z.view(b, rows, w, 3, h, dh).permute(3, 0, 4, 2, 1, 5).contiguous()  # (3, b, h, w, rows, dh)
+        else:
+            z = z.permute(2, 0, 3, 1, 4).contiguous()  # (3, b, h, len, dh)
+        qk, v = z.split([2, 1])
         rotary = self._rotary[0]
         if rotary is not None:
-            q, k = rotary(q, positions), rotary(k, positions)
-        return q, k, v  # each (batch, heads, n, head_dim)
+            cos, sin = rotary.tables(start, length, qk.dtype)
+            if column_major:  # tables in raster order, viewed column-major: (2, 1, 1, w, rows, dh)
+                cos, sin = (c.view(2, 1, 1, rows, w, dh).transpose(3, 4) for c in (cos, sin))
+            else:
+                cos, sin = cos[:, None, None], sin[:, None, None]
+            qk = rotate(qk, cos, sin)
+        q, k = qk.reshape(2, b, h, length, dh).unbind(0)
+        if rotary is None:
+            q = q * dh ** -0.5
+        return q, k, v.reshape(b, h, length, dh)
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         b, h, n, dh = out.shape
         return self.to_out(out.transpose(1, 2).reshape(b, n, h * dh))
 
-    def _sdpa(self, q, k, v, mask):
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+    def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        p = scores.softmax(dim=-1)
+        return F.dropout(p, self.dropout) if self.training and self.dropout > 0 else p
 
     # ---- full sequence (training) -------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        q, k, v = self._project(x, slice(None))
-        if ctx.impl == "dense":
-            mask = ctx.mask(f"dense:{self.pattern}", lambda: pattern_mask(self.pattern, self.config, ctx.text_keep)[:, None])
-            return self._merge(self._sdpa(q, k, v, mask))
-        t = self.config.text_len
-        text_out = self._sdpa(q[:, :, :t], k[:, :, :t], v[:, :, :t], ctx.mask("text", lambda: self._text_mask(ctx)))
-        image_out = self._image_attention(q[:, :, t:], k, v, ctx)
-        return self._merge(torch.cat([text_out, image_out], dim=2))
-
-    def _text_mask(self, ctx: AttentionContext) -> torch.Tensor:
-        t = self.config.text_len
-        eye = torch.eye(t, dtype=torch.bool, device=ctx.text_keep.device)
-        causal = torch.ones(t, t, dtype=torch.bool, device=ctx.text_keep.device).tril()
-        return (causal & (ctx.text_keep[:, None, :] | eye))[:, None]  # (batch, 1, t, t)
-
-    def _image_attention(self, q_img, k, v, ctx: AttentionContext) -> torch.Tensor:
-        """Image queries in blocks: each block sees the text keys plus its own image keys."""
+        b, n, _ = x.shape
+        qkv = self.to_qkv(x)
+        if choose_impl(ctx.impl, self.pattern, n) == "dense":
+            q, k, v = self._heads(qkv, 0)
+            mask = ctx.mask(("dense", self.pattern), lambda: self._dense_mask(ctx, n))
+            p = self.dropout if self.training else 0.0
+            return self._merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0))
         cfg = self.config
-        b, h, _, dh = q_img.shape
-        t, rows, cols = cfg.text_len, cfg.image_height, cfg.image_width
-        k_text, v_text = k[:, :, :t], v[:, :, :t]
-        k_img, v_img = k[:, :, t:], v[:, :, t:]
-        keep = ctx.text_keep[:, None, None, None, :]  # (batch, 1, 1, 1, t): broadcast over blocks
-        device = q_img.device
-
-        if self.pattern == "full":
-            mask = ctx.mask("full", lambda: torch.cat([
-                ctx.text_keep[:, None, None, :].expand(b, 1, cfg.image_len, t),
-                torch.ones(cfg.image_len, cfg.image_len, dtype=torch.bool, device=device).tril().expand(b, 1, -1, -1),
-            ], dim=-1))
-            return self._sdpa(q_img, torch.cat([k_text, k_img], 2), torch.cat([v_text, v_img], 2), mask)
-
-        if self.pattern in ("axial_row", "axial_col"):
-            grid = lambda z: z.reshape(b, h, rows, cols, dh)
-            q_g, k_g, v_g = grid(q_img), grid(k_img), grid(v_img)
-            if self.pattern == "axial_col":  # columns become the blocks
-                q_g, k_g, v_g = (z.transpose(2, 3) for z in (q_g, k_g, v_g))
-            n_blocks, block = q_g.shape[2], q_g.shape[3]
-            mask = ctx.mask(f"axial:{block}", lambda: torch.cat([
-                keep.expand(b, 1, 1, block, t),
-                torch.ones(block, block, dtype=torch.bool, device=device).tril().expand(b, 1, 1, -1, -1),
-            ], dim=-1))
-            out = self._blocks(q_g, k_g, v_g, k_text, v_text, n_blocks, mask)
-            if self.pattern == "axial_col":
-                out = out.transpose(2, 3)
-            return out.reshape(b, h, cfg.image_len, dh)
-
-        if self.pattern == "conv_like":
-            # Each row of queries sees a band of rows r-half..r (zero rows pad the top); the
-            # static mask keeps the k x k window and raster causality inside the band.
-            half = cfg.conv_kernel // 2
-            grid = lambda z: z.reshape(b, h, rows, cols, dh)
-            q_g = grid(q_img)
-            pad = lambda z: F.pad(grid(z), (0, 0, 0, 0, half, 0))
-            k_p, v_p = pad(k_img), pad(v_img)
-            band = lambda z: torch.stack([z[:, :, o:o + rows] for o in range(half + 1)], dim=3).reshape(
-                b, h, rows, (half + 1) * cols, dh)
-            mask = ctx.mask("conv", lambda: torch.cat([
-                keep.expand(b, 1, rows, cols, t), self._conv_band_mask(device).expand(b, 1, -1, -1, -1)], dim=-1))
-            out = self._blocks(q_g, band(k_p), band(v_p), k_text, v_text, rows, mask)
-            return out.reshape(b, h, cfg.image_len, dh)
-        raise ValueError(f"unknown attention pattern {self.pattern!r}")
-
-    def _conv_band_mask(self, device) -> torch.Tensor:
-        """(rows, cols, (half+1)*cols) bool: query (r, c) may see band slot (o, c')."""
-        cfg = self.config
-        half = cfg.conv_kernel // 2
-        r = torch.arange(cfg.image_height, device=device)[:, None, None, None]
-        c = torch.arange(cfg.image_width, device=device)[None, :, None, None]
-        o = torch.arange(half + 1, device=device)[None, None, :, None]
-        c2 = torch.arange(cfg.image_width, device=device)[None, None, None, :]
-        key_row = r - half + o
-        ok = (key_row >= 0) & ((c - c2).abs() <= half) & ((key_row < r) | (c2 <= c))
-        return ok.reshape(cfg.image_height, cfg.image_width, (half + 1) * cfg.image_width)
-
-    def _blocks(self, q_g, k_g, v_g, k_text, v_text, n_blocks, mask):
-        """Attention inside blocks. q_g: (B, heads, blocks, n, dh); keys are the text plus k_g.
-
-        Blocks are folded into the head dimension, a free view, so this is one 4-D SDPA call
-        that the fused (flash) kernels take, on CPU too; 5-D inputs fall back to the slow path.
-        """
-        b, h, nb, n, dh = q_g.shape
-        k_cat = torch.cat([k_text[:, :, None].expand(-1, -1, nb, -1, -1), k_g], dim=3)
-        v_cat = torch.cat([v_text[:, :, None].expand(-1, -1, nb, -1, -1), v_g], dim=3)
-        keys = k_cat.shape[3]
-        if mask.shape[2] == 1:  # the same mask for every block: (B, 1, n, keys) broadcasts
-            mask = mask[:, :, 0]
+        t, w = cfg.text_len, cfg.image_width
+        rows = (n - t) // w
+        qkv_text, qkv_image = qkv.split([t, n - t], dim=1)
+        q_t, k_t, v_t = self._heads(qkv_text, 0)
+        text_bias = ctx.mask(("text", q_t.dtype), lambda: self._text_bias(ctx, q_t.dtype))
+        out_text = self._softmax(q_t @ k_t.transpose(-1, -2) + text_bias) @ v_t  # (b, h, t, dh)
+        column_major = self.pattern == "axial_col"
+        q, k, v = self._heads(qkv_image, t, column_major=column_major)
+        out_image = self._image_attention(q, k, v, k_t, v_t, rows, ctx)  # (b, h, image, dh)
+        if column_major:  # back to raster order, (b, image, h, dh)
+            out_image = out_image.view(b, cfg.heads, w, rows, -1).permute(0, 3, 2, 1, 4)
+            out_image = out_image.reshape(b, n - t, cfg.heads, -1)
         else:
-            mask = mask.expand(b, h, nb, n, keys).reshape(b, h * nb, n, keys)
-        fold = lambda z: z.reshape(b, h * nb, z.shape[3], dh)
-        return self._sdpa(fold(q_g), fold(k_cat), fold(v_cat), mask).view(b, h, nb, n, dh)
+            out_image = out_image.transpose(1, 2)
+        out = torch.cat([out_text.transpose(1, 2), out_image], dim=1)  # (b, n, h, dh), one copy
+        return self.to_out(out.reshape(b, n, cfg.inner_dim))
+
+    def _dense_mask(self, ctx: AttentionContext, n: int) -> torch.Tensor:
+        positions = torch.arange(n, device=ctx.text_keep.device)
+        return pattern_mask(self.pattern, self.config, ctx.text_keep, q_pos=positions, num_keys=n)[:, None]
+
+    def _text_bias(self, ctx: AttentionContext, dtype: torch.dtype) -> torch.Tensor:
+        """(batch, 1, t, t): causal over real text keys, and every text query sees itself."""
+        t = self.config.text_len
+        device = ctx.text_keep.device
+        eye = torch.eye(t, dtype=torch.bool, device=device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        return _additive(causal & (ctx.text_keep[:, None, :] | eye), dtype)[:, None]
+
+    def _image_bias(self, ctx: AttentionContext, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """(batch, 1, blocks or 1, block queries, text + block keys): real text | the block."""
+        cfg = self.config
+        static = _static_block_bias(self.pattern, rows, cfg.image_width, cfg.conv_kernel, ctx.text_keep.device, dtype)
+        b, t = ctx.text_keep.shape
+        keep = _additive(ctx.text_keep, dtype)[:, None, None, None, :]  # (b, 1, 1, 1, t)
+        static = static[None, None]  # (1, 1, blocks or 1, queries, keys)
+        return torch.cat([keep.expand(b, 1, static.shape[2], static.shape[3], t),
+                          static.expand(b, -1, -1, -1, -1)], dim=-1)
+
+    def _image_attention(self, q, k, v, k_t, v_t, rows: int, ctx: AttentionContext) -> torch.Tensor:
+        """Image queries ``q`` (b, h, image, dh) against the text and their block's cells."""
+        cfg = self.config
+        b, h, n_image, dh = q.shape
+        t, w = cfg.text_len, cfg.image_width
+        if self.pattern == "full":
+            # One block holding every cell: nothing to skip, so a masked SDPA over text + image.
+            mask = ctx.mask("full", lambda: torch.cat([
+                ctx.text_keep[:, None, None, :].expand(b, 1, n_image, t),
+                torch.ones(n_image, n_image, dtype=torch.bool, device=q.device).tril().expand(b, 1, -1, -1),
+            ], dim=-1))
+            p = self.dropout if self.training else 0.0
+            return F.scaled_dot_product_attention(q, torch.cat([k_t, k], 2), torch.cat([v_t, v], 2), attn_mask=mask,
+                                                  dropout_p=p, scale=1.0)
+        if self.pattern == "axial_row":
+            blocks, size = rows, w
+            k_b, v_b = k.view(b, h, blocks, size, dh), v.view(b, h, blocks, size, dh)
+        elif self.pattern == "axial_col":  # q, k, v arrive column-major
+            blocks, size = w, rows
+            k_b, v_b = k.view(b, h, blocks, size, dh), v.view(b, h, blocks, size, dh)
+        elif self.pattern == "conv_like":  # each row of queries sees the band of rows r-half..r
+            blocks, size = rows, w
+            k_b, v_b = self._band(k, rows), self._band(v, rows)
+        else:
+            raise ValueError(f"unknown attention pattern {self.pattern!r}")
+        bias = ctx.mask(("image", self.pattern, q.dtype), lambda: self._image_bias(ctx, rows, q.dtype))
+        q_b = q.view(b, h, blocks, size, dh)
+        scores = torch.cat([(q @ k_t.transpose(-1, -2)).view(b, h, blocks, size, t),
+                            q_b @ k_b.transpose(-1, -2)], dim=-1)  # (b, h, blocks, size, t + block keys)
+        p_text, p_block = self._softmax(scores + bias).split([t, k_b.shape[3]], dim=-1)
+        return p_text.reshape(b, h, n_image, t) @ v_t + (p_block @ v_b).view(b, h, n_image, dh)
+
+    def _band(self, z: torch.Tensor, rows: int) -> torch.Tensor:
+        """(b, h, rows*w, dh) raster -> (b, h, rows, (half+1)*w, dh): for each row r the key rows
+        r-half..r, with zero rows above the image (the static bias never allows them)."""
+        cfg = self.config
+        b, h, _, dh = z.shape
+        half, w = cfg.conv_kernel // 2, cfg.image_width
+        padded = F.pad(z.view(b, h, rows, w, dh), (0, 0, 0, 0, half, 0))  # (b, h, rows+half, w, dh)
+        band = padded.unfold(2, half + 1, 1)  # (b, h, rows, w, dh, half+1)
+        return band.permute(0, 1, 2, 5, 3, 4).reshape(b, h, rows, (half + 1) * w, dh)
 
     # ---- incremental decoding -----------------------------------------------------------
-    def forward_cached(self, x_new: torch.Tensor, start: int, cache: KVCache, mask: torch.Tensor) -> torch.Tensor:
+    def forward_cached(self, x_new: torch.Tensor, start: int, cache: KVCache, mask: torch.Tensor,
+                       tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       image_keys: slice | None = None) -> torch.Tensor:
         """Attend for new positions ``start..start+n-1`` given the cache of all earlier ones.
 
-        ``mask`` is ``(batch, 1, n, start+n)`` from ``DecodeState.mask``. Costs O(sequence) per
-        new token: one pass over the cached keys.
+        ``image_keys`` and ``mask`` come from ``DecodeState.step_inputs``: with ``image_keys``
+        None, ``mask`` is ``(batch, 1, n, start+n)`` over every cached key (bool or additive);
+        otherwise the query sees the text and the cached image cells ``image_keys`` (copied
+        next to the text keys unless they already follow it), and ``mask`` covers those.
+        ``tables`` are the step's rotary tables from ``decode_tables`` (computed here if None; a
+        decoding step computes them once for all layers). Costs O(text + block) per image token,
+        in about ten ops per layer.
         """
-        n = x_new.shape[1]
+        cfg = self.config
+        b, n, _ = x_new.shape
         if cache.length != start:
             raise ValueError(f"KV cache holds {cache.length} positions but decoding resumes at {start}")
-        positions = torch.arange(start, start + n, device=x_new.device)
-        q, k, v = self._project(x_new, positions)
-        k_all, v_all = cache.append(k, v)
-        return self._merge(F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask))
+        qkv = self.to_qkv(x_new).view(b, n, 3, cfg.heads, cfg.head_dim)
+        qk, v = qkv.split([2, 1], dim=2)
+        rotary = self._rotary[0]
+        if rotary is not None:
+            cos, sin = tables if tables is not None else decode_tables(rotary, start, n, qk.dtype)
+            qk = rotate(qk, cos, sin)
+        q, k = qk.unbind(2)  # (b, n, h, dh)
+        if rotary is None:
+            q = q * cfg.head_dim ** -0.5
+        k_all, v_all = cache.append(k.transpose(1, 2), v.squeeze(2).transpose(1, 2))
+        if image_keys is not None and (image_keys.start, image_keys.step) != (0, 1):
+            t = cfg.text_len
+            k_all = torch.cat([k_all[:, :, :t], k_all[:, :, t:][:, :, image_keys]], dim=2)
+            v_all = torch.cat([v_all[:, :, :t], v_all[:, :, t:][:, :, image_keys]], dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask, scale=1.0)
+        return self._merge(out)
+
+
+def decode_tables(rotary: Rotary, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables of positions start..start+n-1 shaped (n, 2, 1, head_dim) for projections laid
+    out (batch, n, q/k, heads, head_dim): views of the model's tables, no copy unless dtype differs."""
+    cos, sin = rotary.tables(start, n, dtype)
+    return cos.transpose(0, 1)[:, :, None], sin.transpose(0, 1)[:, :, None]

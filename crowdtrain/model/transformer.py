@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from crowdtrain.model.attention import Attention, AttentionContext, DecodeState, Rotary
+from crowdtrain.model.attention import IMPLS, Attention, AttentionContext, DecodeState, Rotary, decode_tables
 from crowdtrain.model.config import ModelConfig
 from crowdtrain.model.reversible import reversible_stack
 
@@ -79,7 +79,9 @@ class DalleTransformer(nn.Module):
         self.layers = nn.ModuleList(
             LayerNorms(config, g, p) for g, p in zip(group_of_layer, config.patterns))
         self.final_norm = nn.LayerNorm(config.width)
-        self.attention_impl = "efficient"  # "dense" switches every layer to the reference masks
+        # "auto" picks per layer and sequence length (attention.choose_impl); "efficient" forces
+        # the block layouts, "dense" the reference masks (tests and benchmarks compare them).
+        self.attention_impl = "auto"
         self.reset_parameters()
 
     # ---- initialisation -----------------------------------------------------------------
@@ -145,6 +147,16 @@ class DalleTransformer(nn.Module):
         return branches
 
     def run_layers(self, x: torch.Tensor, text_keep: torch.Tensor) -> torch.Tensor:
+        """The layers over embedded ``x`` (B, n, d): the whole sequence, or the text plus the first
+        whole image rows (a prefix: the uncached sampling baseline runs these, and causality makes
+        every position's output the same as in the full sequence)."""
+        cfg = self.config
+        n = x.shape[1]
+        if (n - cfg.text_len) % cfg.image_width or not cfg.text_len < n <= cfg.seq_len:
+            raise ValueError(f"run_layers takes the text plus whole image rows (text_len + k * {cfg.image_width}, "
+                             f"up to {cfg.seq_len} positions), got {n}")
+        if self.attention_impl not in IMPLS:
+            raise ValueError(f"model.attention_impl={self.attention_impl!r}; choose from {list(IMPLS)}")
         ctx = AttentionContext(text_keep=text_keep, impl=self.attention_impl)
         branches = self._branches(ctx)
         if self.config.reversible:
@@ -189,17 +201,22 @@ class DalleTransformer(nn.Module):
         x = self.embedding(ids)
         if self.pos_embedding is not None:
             x = x + self.pos_embedding[start: start + n]
-        masks = {p: state.mask(p, start, n) for p in state.image_masks}  # one per pattern, not per layer
+        # Additive masks in the dtype the projections produce (autocast may differ from x's),
+        # built once per step and pattern by the state and shared by that pattern's layers;
+        # the rotary tables once per step for all layers.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        tables = decode_tables(self.rotary, start, n, dtype) if self.rotary is not None else None
+        reversible = self.config.reversible
         x1 = x2 = x
         for i in range(self.config.depth):
             norms, attn, ff = self.layer_modules(i)
-            f = lambda z: attn.forward_cached(norms.attn_norm(z), start, state.caches[i], masks[attn.pattern])
-            g = lambda z: ff(norms.ff_norm(z))
-            if self.config.reversible:
-                x1 = x1 + f(x2)
-                x2 = x2 + g(x1)
+            keys, mask = state.step_inputs(attn.pattern, start, n, dtype)
+            if reversible:
+                x1 = x1 + attn.forward_cached(norms.attn_norm(x2), start, state.caches[i], mask, tables, keys)
+                x2 = x2 + ff(norms.ff_norm(x1))
             else:
-                x1 = _plain_layer(x1, f=f, g=g)
+                x1 = x1 + attn.forward_cached(norms.attn_norm(x1), start, state.caches[i], mask, tables, keys)
+                x1 = x1 + ff(norms.ff_norm(x1))
         out = (x1 + x2) / 2 if self.config.reversible else x1
         return self.final_norm(out)
 
