@@ -45,7 +45,6 @@ from hivemind.utils import get_dht_time
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
-from crowdtrain.swarm.optimizer import tag_round
 from crowdtrain.swarm.robust import RobustAveragerMixin, make_aggregator
 
 logger = logging.getLogger(__name__)
@@ -308,7 +307,6 @@ class DiLoCoOptimizer:
 
     def _begin_matchmaking(self):
         gather = {"epoch": self.local_epoch, "base": params_digest(self.global_params)}
-        tag_round(self.averager, self.local_epoch)  # meet only peers syncing the same epoch
         return self.averager.step(gather=gather, wait=False, require_trigger=True,
                                   timeout=self.config.averaging_timeout_s)
 

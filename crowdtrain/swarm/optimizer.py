@@ -27,7 +27,6 @@ from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.robust import RobustOptimizerMixin, make_aggregator
 
 logger = logging.getLogger(__name__)
-ROUND_TAG_BITS = 16  # epochs this far apart never meet by accident
 
 
 class ClippedLAMB8bit(bnb.optim.LAMB8bit):
@@ -69,27 +68,6 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         self._rounds_lock = threading.Lock()
         self.rounds: list[dict] = []  # {"epoch", "group_size", "swarm_peers"} per round
 
-    # Rounds meet under a key that holds the epoch: hivemind's group key does not, so a peer a
-    # round behind (or ahead, by a pre-scheduled round) would average one epoch's gradients with
-    # another's and split its groupmates' rounds. A peer off by an epoch now finds no group, uses
-    # its own gradients and catches up by downloading the state, as hivemind intends.
-
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        tag_round(self.grad_averager, self.local_epoch)
-        super()._maybe_schedule_gradient_averaging()
-
-    def _begin_averaging_gradients(self, grad_scaler) -> bool:
-        tag_round(self.grad_averager, self.local_epoch)
-        return super()._begin_averaging_gradients(grad_scaler)
-
-    def _maybe_schedule_state_averaging(self) -> None:
-        tag_round(self.state_averager, self.local_epoch)
-        super()._maybe_schedule_state_averaging()
-
-    def _update_global_epoch(self, grad_scaler) -> None:
-        tag_round(self.state_averager, self.local_epoch)
-        super()._update_global_epoch(grad_scaler)
-
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         swarm_peers = self.tracker.global_progress.num_peers
         epoch = self.local_epoch
@@ -116,14 +94,6 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     def finish_pending_updates(self) -> None:
         """Apply the delayed optimizer step, if one is running in the background."""
         self.state_averager.step(wait_for_delayed_updates=True)
-
-
-def tag_round(averager, epoch: int) -> None:
-    """Make ``averager`` look for groups among peers at the same ``epoch`` (its group key's bits)."""
-    if averager is not None:
-        # Sent every time (a message down a pipe): hivemind rewrites the bits after each group it
-        # joins. Commands reach the averager's process in order, so a step sent next uses these.
-        averager.set_group_bits(format(epoch % 2**ROUND_TAG_BITS, f"0{ROUND_TAG_BITS}b"), wait=False)
 
 
 def _wait_for_allreduce_start(control, timeout_s: float) -> float | None:
