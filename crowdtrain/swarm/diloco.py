@@ -263,10 +263,12 @@ class DiLoCoOptimizer:
         return stats
 
     def finish_pending_updates(self) -> None:
-        """Before leaving: if the last round may have split the swarm, end on the canonical state."""
+        """Before leaving: if the last round may have split the swarm, end on the canonical state,
+        and stay a little longer to serve it (the other group's peers download it from us)."""
         if self._consensus_check_at is not None:
             time.sleep(max(0.0, self._consensus_check_at - time.monotonic()))
             self._heal_split()
+            time.sleep(2 * self.config.matchmaking_time_s)
 
     def shutdown(self) -> None:
         # Groupmates may still be receiving our reducer's results of the last round (they finish

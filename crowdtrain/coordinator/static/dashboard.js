@@ -70,19 +70,19 @@
         fetch("/api/status", {cache: "no-store"}),
         fetch(`/api/history?since=${since}`, {cache: "no-store"}),
       ]);
-      if (historyResp.ok) {
-        const fresh = await historyResp.json();
-        if (fresh.length) {
-          history = history.concat(fresh);
-          if (history.length > MAX_POINTS) history = history.slice(history.length - MAX_POINTS);
-          draw();
-        }
-      }
-      if (statusResp.ok) {
-        showStatus(await statusResp.json());
+      // Read both answers first, then update the page in one go (charts, numbers, "Live" line).
+      const fresh = historyResp.ok ? await historyResp.json() : [];
+      const status = statusResp.ok ? await statusResp.json() : null;
+      if (status) {
+        showStatus(status);
         live.textContent = `Live: refreshed at ${new Date().toLocaleTimeString()}, every ${refreshMs / 1000} s.`;
       } else {
         live.textContent = "The run is starting; retrying\u2026";
+      }
+      if (fresh.length) {
+        history = history.concat(fresh);
+        if (history.length > MAX_POINTS) history = history.slice(history.length - MAX_POINTS);
+        draw();
       }
     } catch (err) {
       live.textContent = `Coordinator unreachable (${err.message}); retrying every ${refreshMs / 1000} s\u2026`;
