@@ -46,8 +46,8 @@ class SwarmConfig:
     # noise) but is one more all-reduce per epoch that peers reach at different moments (it runs
     # in the background after the optimizer step). Every epoch (hivemind's default) stalled the
     # next gradient round (seen with py-spy). 3 unequal peers on one 2-core machine averaged all
-    # together in 33-63% of rounds over 4 runs; every 5 epochs, in 67-100% over 4 of 5 runs
-    # (33% in one run beside a CPU-heavy benchmark).
+    # together in 33-63% of rounds over 4 runs; every 5 epochs, in 33-100% over 6 runs (67-100%
+    # in 4 of them). Better on average, not decisive: on a starved CPU rounds still split.
     average_state_every: int = 5
     # Wire compression: 8-bit quantization for tensors with at least this many elements,
     # fp16 for smaller float tensors, integer tensors (8-bit optimizer codes) as they are.
