@@ -197,6 +197,7 @@ class DiLoCoOptimizer:
         self._last_round_end = -float("inf")
         self._min_group_size = config.min_group_size
         self._consensus_check_at: float | None = None  # after a round smaller than the swarm (see _heal_split)
+        self._minority_base = False  # the last round's group started mostly from other global parameters
         self._check_sync = True  # once per epoch, require exactly the swarm's epoch (as hivemind.Optimizer)
         self._rounds_lock = threading.Lock()
 
@@ -211,7 +212,10 @@ class DiLoCoOptimizer:
             p.grad = None
 
     def step(self) -> None:
-        if self._consensus_check_at is not None and time.monotonic() >= self._consensus_check_at:
+        # After a sync smaller than the swarm: compare states when the others have had time to
+        # publish theirs, and at the latest before the next sync (never average from a lost branch).
+        if self._consensus_check_at is not None and (time.monotonic() >= self._consensus_check_at
+                                                     or self.tracker.ready_to_update_epoch):
             self._heal_split()
         if self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "peer is out of sync with the swarm; downloading the state")
@@ -339,6 +343,12 @@ class DiLoCoOptimizer:
             after = self.averager.wire_stats.snapshot()
             missing = after["elements_missing"] - before["elements_missing"]
             diverged = self._diverged(gathered, swarm_peers, missing)
+            if self._minority_base:
+                # Our global parameters (the previous sync's result) were not the majority's:
+                # that sync split the swarm and ours was not the canonical result.
+                with self._rounds_lock:
+                    if self.rounds and self.rounds[-1]["epoch"] == epoch - 1:
+                        self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
             self._share_state(0 if diverged else group_size)
             # A group smaller than the swarm: another group may have stepped from other pseudo-
             # gradients at the same time. Compare notes once their rounds are over too.
@@ -381,6 +391,7 @@ class DiLoCoOptimizer:
         while others train; a groupmate failed to return its slice (we kept our own there); or its
         group started from different global parameters and ours was not the majority's (ties go
         to the higher epoch, then the larger digest)."""
+        self._minority_base = False
         if not gathered:
             return swarm_peers >= self._min_group_size
         if missing:
@@ -394,7 +405,8 @@ class DiLoCoOptimizer:
         mine = bases.get(self.averager.peer_id)
         logger.warning("the group started from %d different global states; %s", len(counts),
                        "keeping ours" if mine == majority else "downloading the majority's")
-        return mine != majority
+        self._minority_base = mine != majority
+        return self._minority_base
 
     def _restart_from_global(self) -> None:
         with torch.no_grad():
@@ -413,20 +425,23 @@ class DiLoCoOptimizer:
         download its state and the swarm is one model again."""
         self._consensus_check_at = None
         epoch = self.local_epoch
-        mine = self.averager.state_sharing_priority
+        with self._rounds_lock:
+            group_size = self.rounds[-1]["group_size"] if self.rounds else 0
+        # Computed, not read from the averager: a client-mode peer shares no state but ranks alike.
+        mine = state_priority(epoch, group_size, params_digest(self.global_params))
         try:
             found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
         except Exception as e:  # the DHT is busy: the next round's checks catch a split too
             logger.debug("could not read the swarm's states: %r", e)
             return
-        offers = [float(v.value) for v in (found.value if found is not None and isinstance(found.value, dict) else {}).values()
-                  if isinstance(getattr(v, "value", None), (int, float))]
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        offers = [float(v.value) for v in entries.values() if isinstance(getattr(v, "value", None), (int, float))]
         better = [p for p in offers if int(p) == epoch and p > mine + 1e-12]
         if not better:
             return
         logger.warning("the swarm split into groups at epoch %d; taking the largest group's state", epoch)
         with self._rounds_lock:
-            if self.rounds and self.rounds[-1]["epoch"] + 1 >= epoch:
+            if self.rounds and self.rounds[-1]["epoch"] + 1 == epoch:
                 self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
         self.load_state_from_peers()
 
