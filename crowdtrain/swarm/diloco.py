@@ -195,7 +195,6 @@ class DiLoCoOptimizer:
         self.rounds: list[dict] = []
         self.blocked_s = 0.0  # time the trainer spent in rounds and state downloads instead of computing
         self._last_round_end = -float("inf")
-        self._min_group_size = config.min_group_size
         self._consensus_check_at: float | None = None  # after a round smaller than the swarm (see _heal_split)
         self._minority_base = False  # the last round's group started mostly from other global parameters
         self._check_sync = True  # once per epoch, require exactly the swarm's epoch (as hivemind.Optimizer)
@@ -373,7 +372,7 @@ class DiLoCoOptimizer:
         control = self.scheduled
         self.scheduled = None
         if control is None or control.triggered or control.done():
-            if self.tracker.global_progress.num_peers < self._min_group_size:
+            if self.tracker.global_progress.num_peers < self.config.min_group_size:
                 return None  # alone, or too few for the aggregation rule: nobody to wait for
             control = self._begin_matchmaking()
         try:
@@ -393,7 +392,7 @@ class DiLoCoOptimizer:
         to the higher epoch, then the larger digest)."""
         self._minority_base = False
         if not gathered:
-            return swarm_peers >= self._min_group_size
+            return swarm_peers >= self.config.min_group_size
         if missing:
             logger.warning("%d averaged values never arrived (a groupmate failed); downloading the state", missing)
             return True
