@@ -65,6 +65,42 @@ def test_the_dht_authorizer_accepts_only_coordinator_signed_live_tokens(keys):
     assert asyncio.run(authorizer.get_token()).username == "a"
 
 
+def test_a_failing_refresh_keeps_the_live_token_and_backs_off_instead_of_flooding_the_coordinator(keys):
+    from crowdtrain.swarm.auth import AccessDenied
+
+    _, coordinator, peer, _ = keys
+    public = peer.get_public_key().to_bytes()
+    answers = [coordinator.issue("a", public, lifetime_s=12)]  # then every refresh fails
+
+    def source():
+        if answers:
+            return answers.pop()
+        raise ConnectionError("token request failed (429): too many token requests")
+
+    authorizer = SwarmAuthorizer(peer, coordinator.public_key, source, refresh_margin_s=20)
+
+    async def sign_many(n):
+        for _ in range(n):  # hivemind refreshes before every signed message inside the margin
+            await authorizer.refresh_token_if_needed()
+        return authorizer._local_access_token
+
+    token = asyncio.run(sign_many(200))
+    assert token.username == "a" and authorizer.is_token_valid(token), "the live token is kept"
+    assert authorizer.requests == 2, "one good answer, one failure, then silence during the backoff"
+    authorizer._next_try = 0.0  # the backoff has passed: one more try, which doubles it
+    asyncio.run(sign_many(50))
+    assert authorizer.requests == 3 and authorizer._next_try - time.monotonic() > 1.5
+
+    def revoked():
+        raise AccessDenied("the coordinator refused an access token (403): revoked")
+
+    denied = SwarmAuthorizer(peer, coordinator.public_key, revoked, refresh_margin_s=20)
+    for _ in range(20):
+        with pytest.raises(AccessDenied, match="revoked"):
+            asyncio.run(denied.get_token())
+    assert denied.requests == 1, "a refusal is final: the coordinator is not asked again"
+
+
 class _FakeDHT:
     def __init__(self, tokens):
         self.tokens, self.lookups = tokens, 0

@@ -118,3 +118,19 @@ def test_malformed_oversized_and_flooding_requests_get_clear_4xx(tmp_path, ident
     assert r.status_code == 429 and "too many" in r.json()["detail"]
     assert store.counters()["token_requests_rate_limited"] == 1
     assert client.get("/api/history?limit=0").status_code == 422
+
+
+def test_a_valid_key_has_its_own_token_budget_so_refused_clients_cannot_lock_it_out(tmp_path, identity):
+    client, store, _ = client_for(tmp_path, mode="allowlist", requests_per_minute=3)
+    alice = {"Authorization": f"Bearer {store.add_user('alice')}"}
+    bob_key = store.add_user("bob")
+    store.revoke_user("bob")
+    for _ in range(3):  # a revoked peer retrying from the same address as alice (a lab's NAT)
+        assert client.post("/api/token", json={"public_key": identity},
+                           headers={"Authorization": f"Bearer {bob_key}"}).status_code == 403
+    r = client.post("/api/token", json={"public_key": identity}, headers={"Authorization": "Bearer ct_guess"})
+    assert r.status_code == 429 and "too many" in r.json()["detail"], "the address's budget is spent"
+    for _ in range(3):
+        assert client.post("/api/token", json={"public_key": identity}, headers=alice).status_code == 200
+    r = client.post("/api/token", json={"public_key": identity}, headers=alice)
+    assert r.status_code == 429 and "'alice'" in r.json()["detail"], "a key's own budget still holds"

@@ -53,7 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--token-lifetime-s", type=float, default=600.0,
                    help="lifetime of peers' access tokens: a revoked user's peers are out within this time")
     p.add_argument("--token-requests-per-minute", type=int, default=120,
-                   help="rate limit on token requests per client address")
+                   help="rate limit on token requests per API key (per client address without a valid key)")
     p.add_argument("--samples-every", type=int, default=1, metavar="N",
                    help="generate gallery samples from every N-th checkpoint (0: never)")
     p.set_defaults(handler=_coordinator)

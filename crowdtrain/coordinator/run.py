@@ -53,7 +53,7 @@ class CoordinatorConfig:
     db: str | None = None  # SQLAlchemy URL; default: a SQLite file in the run folder
     auth: str = "open"  # open: anyone joins (still with a per-peer token); allowlist: only users with a key
     token_lifetime_s: float = 600.0  # a revoked user's peers are out within this time
-    token_requests_per_minute: int = 120  # per client address, on /api/token
+    token_requests_per_minute: int = 120  # per API key (per address without one), on /api/token
     samples_every_checkpoints: int = 1  # gallery images from every N-th checkpoint (0: never)
 
     def __post_init__(self):

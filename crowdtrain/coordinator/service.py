@@ -5,8 +5,9 @@ in the run folder (``run.json``, ``status.json``, ``checkpoints/``, ``samples/``
 torch or hivemind. Shards are served with HTTP Range support (parquet readers seek).
 
 Everything a client sends is bounded: request bodies over ``MAX_BODY_BYTES`` get 413, malformed
-ones 422 with the field at fault, and ``POST /api/token`` is rate-limited per client address
-(429), so no client can crash the coordinator or touch stored data it should not.
+ones 422 with the field at fault, and ``POST /api/token`` is rate-limited (429) per API key, or
+per client address without a valid one, so no client can crash the coordinator or touch stored
+data it should not.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class TokenRequest(BaseModel):
 
 
 class RateLimiter:
-    """At most ``limit`` events per ``window_s`` per client address (a sliding window)."""
+    """At most ``limit`` events per ``window_s`` per bucket (a key or an address; a sliding window)."""
 
     def __init__(self, limit: int, window_s: float = 60.0):
         self.limit, self.window_s = limit, window_s
@@ -153,16 +154,21 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
                                     "in allowlist runs)")
     def api_token(body: TokenRequest, request: Request, authorization: str | None = Header(None)) -> dict:
         client = request.client.host if request.client else "unknown"
-        if not limiter.allow(client):
-            store.bump("token_requests_rate_limited")
-            raise HTTPException(429, f"too many token requests from {client}; wait a minute and retry")
         api_key = None
         if authorization:
             scheme, _, api_key = authorization.partition(" ")
             if scheme.lower() != "bearer" or not api_key:
                 raise HTTPException(401, "send the API key as `Authorization: Bearer KEY`")
+        user = store.user_for_key(api_key) if api_key else None
+        # A valid key has its own budget, so volunteers behind one address (a lab's NAT) do not
+        # spend each other's, and a refused or guessing client cannot lock them out. Everything
+        # else (no key, a wrong or revoked one) shares its address's budget.
+        bucket = f"user:{user}" if user is not None else f"address:{client}"
+        if not limiter.allow(bucket):
+            store.bump("token_requests_rate_limited")
+            who = f"user {user!r}" if user is not None else client
+            raise HTTPException(429, f"too many token requests from {who}; wait a minute and retry")
         if api_key:
-            user = store.user_for_key(api_key)
             if user is None:
                 store.bump("token_requests_refused")
                 raise HTTPException(403, "this API key is unknown or was revoked; ask the organizer for a new one "

@@ -138,7 +138,14 @@ def from_proto(token: AccessToken) -> dict:
 
 # ---- the DHT side ------------------------------------------------------------------------------
 class SwarmAuthorizer(TokenAuthorizerBase):
-    """hivemind's token protocol with the coordinator as the authority. Runs in the DHT process."""
+    """hivemind's token protocol with the coordinator as the authority. Runs in the DHT process.
+
+    hivemind asks for a new token before *every* signed DHT message once the current one is within
+    ``refresh_margin_s`` of expiring. A refresh that fails (coordinator restarting, rate limit, key
+    revoked) would then become one HTTP request per DHT message. Instead the still-valid token is
+    kept and the coordinator is asked again only after a backoff (1 s, doubling, at most a quarter
+    of the margin); a refusal (revoked key) is final for this process.
+    """
 
     def __init__(self, local_private_key: RSAPrivateKey, coordinator_public_key: bytes,
                  token_source: Callable[[], dict], *, refresh_margin_s: float = 30.0):
@@ -147,10 +154,34 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         self.token_source = token_source
         self.refresh_margin_s = refresh_margin_s
         self._coordinator = RSAPublicKey.from_bytes(coordinator_public_key)
+        self._next_try, self._failures, self._denied = 0.0, 0, None
+        self.requests = 0  # calls of token_source, for tests and diagnostics
 
     async def get_token(self) -> AccessToken:
-        token = await asyncio.get_running_loop().run_in_executor(None, self.token_source)
-        return to_proto(token)
+        current = self._local_access_token
+        still_valid = current is not None and self.is_token_valid(current)
+        if self._denied is not None or time.monotonic() < self._next_try:
+            if still_valid:
+                return current
+            raise self._denied or ConnectionError("no valid access token; the last refresh failed, retrying soon")
+        self.requests += 1
+        try:
+            token = await asyncio.get_running_loop().run_in_executor(None, self.token_source)
+        except AccessDenied as e:
+            self._denied = e
+        except Exception as e:
+            self._failures += 1
+            backoff = min(2.0 ** (self._failures - 1), max(1.0, self.refresh_margin_s / 4))
+            self._next_try = time.monotonic() + backoff
+            logger.debug("token refresh failed (%s); next try in %.1fs", e, backoff)
+            if not still_valid:
+                raise
+        else:
+            self._failures, self._next_try = 0, 0.0
+            return to_proto(token)
+        if still_valid:
+            return current
+        raise self._denied
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
         payload = token_payload(access_token.username, access_token.public_key, access_token.expiration_time)
