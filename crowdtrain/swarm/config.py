@@ -108,6 +108,13 @@ class SwarmConfig:
         return 3 if self.aggregation == "centered_clip" else 2
 
     @property
+    def load_state_give_up_s(self) -> float:
+        """A peer that cannot get the swarm's current state for this long (every download failed,
+        or the newest state served stays more than an epoch behind the swarm's progress records)
+        leaves with a message instead of retrying forever: the run is over or unreachable."""
+        return 5 * self.load_state_timeout_s
+
+    @property
     def next_chunk_timeout_s(self) -> float:
         """Seconds a groupmate may go silent mid all-reduce before the group goes on without it.
         hivemind's default (matchmaking_time) drops peers on a busy CPU or mid-step, and a dropped

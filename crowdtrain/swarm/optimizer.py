@@ -54,17 +54,23 @@ def make_scheduler(optimizer, config: SwarmConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+class StateUnavailable(RuntimeError):
+    """No peer could serve the swarm's current state for a long time: the run is over or unreachable."""
+
+
 class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     """hivemind.Optimizer that remembers how many peers each gradient-averaging round had, whose
     averagers aggregate with the run's rule (``crowdtrain.swarm.robust``) and refuse peers without a
     valid access token (when given an ``access_guard``)."""
 
-    def __init__(self, *args, access_guard: AccessGuard | None = None, **kwargs):
+    def __init__(self, *args, access_guard: AccessGuard | None = None, give_up_s: float = 600.0, **kwargs):
         self.access_guard = access_guard
         if access_guard is not None:
             kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
                                                       access_guard)
         super().__init__(*args, **kwargs)
+        self.give_up_s = give_up_s
+        self._behind_since: float | None = None
         self._rounds_lock = threading.Lock()
         self.rounds: list[dict] = []  # {"epoch", "group_size", "swarm_peers"} per round
 
@@ -86,6 +92,52 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             self.rounds.append({"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers,
                                 "triggered_unix": triggered_unix, "allreduce_unix": allreduce_unix,
                                 "done_unix": time.time()})
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        """hivemind's catch-up, bounded. hivemind retries a failed download forever, and a peer that
+        is behind downloads again at every step; a peer left behind when everyone else has gone
+        (they reached ``--max-epochs``, or the run is over) did that for good. Here a download
+        that keeps failing, or a peer that stays behind after downloading, gives up after
+        ``give_up_s`` with :class:`StateUnavailable`, which ``crowdtrain join`` reports."""
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)  # as hivemind: do not stall the round
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        started = time.monotonic()
+        with self.tracker.pause_updates():
+            while True:
+                try:
+                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    if self.grad_averager is not None:
+                        self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    break
+                except KeyboardInterrupt:
+                    raise
+                except Exception as e:
+                    waited = time.monotonic() - started
+                    if waited > self.give_up_s:
+                        raise StateUnavailable(f"no peer served the swarm's state in {waited:.0f}s ({e!r})") from e
+                    logger.warning("could not load the state from peers (%r); retrying", e)
+            global_epoch = self.tracker.global_epoch
+            if global_epoch - 1 <= self.local_epoch < global_epoch:
+                logger.info("catching up with the swarm's epoch %d", global_epoch)
+                self.state_averager.local_epoch = global_epoch
+            if self.local_epoch < global_epoch - 1:  # the newest state served is still behind
+                if self._behind_since is None:
+                    self._behind_since = started
+                if time.monotonic() - self._behind_since > self.give_up_s:
+                    raise StateUnavailable(
+                        f"the swarm reports epoch {global_epoch} but the newest state any peer served is epoch "
+                        f"{self.local_epoch}, for {time.monotonic() - self._behind_since:.0f}s")
+            else:
+                self._behind_since = None
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
 
     def last_round(self) -> dict | None:
         with self._rounds_lock:
@@ -123,7 +175,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
                                attack=attack, verbose=verbose, access_guard=access_guard)
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
-        access_guard=access_guard,
+        access_guard=access_guard, give_up_s=config.load_state_give_up_s,
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
         optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),

@@ -158,7 +158,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     from crowdtrain.swarm import metrics as swarm_metrics
     from crowdtrain.swarm.attacks import attack_from_fault
     from crowdtrain.swarm.config import SwarmConfig
-    from crowdtrain.swarm.optimizer import all_finite, build_optimizer
+    from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
     from crowdtrain.train.local import autocast_context
     from crowdtrain.train.task import DalleTask
 
@@ -216,6 +216,11 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         summary.update(joined_epoch=joined_epoch, state_load_s=time.perf_counter() - t_join)
         _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop_event, summary,
                     swarm_metrics, all_finite, autocast_context, t_join)
+    except StateUnavailable as e:
+        reason = (f"{e}: the run has ended or its peers are unreachable. Leaving; see {config.coordinator_url} "
+                  "and join again if the run goes on")
+        summary_extra["stopped_because"] = reason
+        raise ValueError(reason) from e
     finally:
         # Finish the delayed optimizer step (local work), so what is saved is the state the swarm
         # agreed on, not one step behind; then say goodbye over the network, with a deadline:

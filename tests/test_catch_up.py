@@ -1,0 +1,72 @@
+"""A peer that cannot catch up with the swarm gives up with a reason instead of retrying forever
+(the bounded ``SwarmOptimizer.load_state_from_peers``; hivemind's own loop never ends)."""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+
+from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.swarm.optimizer import StateUnavailable, SwarmOptimizer
+
+
+class _StateAverager:
+    def __init__(self, outcomes):
+        self.outcomes, self.calls, self.local_epoch = list(outcomes), 0, 0
+
+    def step(self, wait_for_delayed_updates):
+        pass
+
+    def load_state_from_peers(self, timeout):
+        self.calls += 1
+        outcome = self.outcomes.pop(0) if self.outcomes else None
+        if isinstance(outcome, Exception):
+            raise outcome
+        if outcome is not None:
+            self.local_epoch = outcome
+
+
+class _Optimizer(SimpleNamespace):
+    @property
+    def local_epoch(self):  # as hivemind's: the state averager's epoch
+        return self.state_averager.local_epoch
+
+
+def _optimizer(outcomes, global_epoch, give_up_s):
+    averager = _StateAverager(outcomes)
+    tracker = SimpleNamespace(global_epoch=global_epoch, pause_updates=contextlib.nullcontext,
+                              report_local_progress=lambda **kw: None)
+    opt = _Optimizer(scheduled_grads=None, state_averager=averager, grad_averager=None, tracker=tracker,
+                     load_state_timeout=1.0, give_up_s=give_up_s, _behind_since=None, client_mode=True,
+                     use_gradient_averaging=False)
+    return opt, averager
+
+
+def test_a_download_that_keeps_failing_gives_up_after_the_limit_and_says_why(monkeypatch):
+    clock = iter(range(0, 10_000, 100))  # every attempt "takes" 100 s
+    monkeypatch.setattr("crowdtrain.swarm.optimizer.time.monotonic", lambda: next(clock))
+    opt, averager = _optimizer([TimeoutError("no answer")] * 100, global_epoch=9, give_up_s=450)
+    with pytest.raises(StateUnavailable, match="no peer served the swarm's state in 500s"):
+        SwarmOptimizer.load_state_from_peers(opt)
+    assert averager.calls == 5, "retried until the limit, not forever"
+
+
+def test_a_transient_failure_is_retried_and_a_peer_one_epoch_behind_catches_up():
+    opt, averager = _optimizer([TimeoutError("busy"), 8], global_epoch=9, give_up_s=600)
+    SwarmOptimizer.load_state_from_peers(opt)
+    assert averager.calls == 2 and opt.local_epoch == 9 and opt._behind_since is None
+
+
+def test_a_peer_that_stays_behind_every_state_served_leaves(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("crowdtrain.swarm.optimizer.time.monotonic", lambda: now[0])
+    opt, _ = _optimizer([3] * 10, global_epoch=40, give_up_s=300)  # the others left at epoch 40
+    for _ in range(3):  # hivemind asks again at every step while the peer is behind
+        SwarmOptimizer.load_state_from_peers(opt)
+        now[0] += 120
+    with pytest.raises(StateUnavailable, match="reports epoch 40 but the newest state any peer served is epoch 3"):
+        SwarmOptimizer.load_state_from_peers(opt)
+
+
+def test_the_give_up_time_follows_the_load_timeout():
+    assert SwarmConfig(load_state_timeout_s=30).load_state_give_up_s == 150
