@@ -160,7 +160,23 @@ def summarize(result: dict) -> dict:
         "swarm_samples_per_s": sum(steady) if len(steady) == len(spans) and spans else None,
         "over_budget_steps": sum(v["over_budget_steps"] for v in spans.values()),
         "steps": sum(v["steps"] for v in spans.values()),
+        **({"diloco": diloco_rounds(result)} if result["plan"]["swarm"].get("mode") == "diloco" else {}),
     }
+
+
+def diloco_rounds(result: dict) -> dict:
+    """DiLoCo mode: each peer's pseudo-gradient rounds (trigger to outer step), against the floor."""
+    plan = result["plan"]
+    _, wire = model_size(plan)
+    slowest = min(min(p["up_bps"], p["down_bps"]) for p in plan["peers"])
+    records = [r for s in result["peers"].values() if s for r in s.get("rounds", [])]
+    full = [r for r in records if r["group_size"] == len(plan["peers"]) and not r.get("diverged")]
+    out = {"overlapped": plan["swarm"].get("overlap_outer_round", False), "records": len(records),
+           "full_records": len(full), "floor_s": butterfly_floor_s(len(plan["peers"]), wire, slowest)}
+    if full:
+        out["round_s_median"] = statistics.median(r["seconds"] for r in full)
+        out["ratio_median"] = out["round_s_median"] / out["floor_s"]
+    return out
 
 
 def churn_stats(result: dict) -> dict:

@@ -41,6 +41,12 @@ def suite_tables(results: dict) -> str:
             out.append(f"{n:>3} {rate + 'mbit':>8} {r['full_rounds']:>7} {_f(r.get('round_s_median')):>11} "
                        f"{_f(r.get('floor_s')):>8} {_f(r.get('ratio_median')):>6} {_f(r.get('ratio_best')):>6} "
                        f"{_f(r.get('upload_volume_ratio'), '.3f'):>15}")
+    control = results.get("r1000-n4", {}).get("rounds", {})
+    if control.get("full_rounds"):
+        out.append(f"  4   1gbit {control['full_rounds']:>7} {_f(control.get('round_s_median')):>11} "
+                   f"{_f(control.get('floor_s')):>8} {_f(control.get('ratio_median')):>6} "
+                   f"{_f(control.get('ratio_best')):>6} {_f(control.get('upload_volume_ratio'), '.3f'):>15}"
+                   "   (control: the CPU's share of a round)")
     out.append("")
     out.append("Compute utilization, N = 4 (share of wall time computing gradients; mean over peers)")
     out.append(f"{'link':>8} {'delayed updates':>16} {'no delay':>9} {'epoch s (delayed)':>18}")
@@ -64,6 +70,19 @@ def suite_tables(results: dict) -> str:
                        f"{_f(p.get('utilization')):>12}")
         out.append(f"swarm / sum of solos = {_f(hetero.get('ratio_to_solo_sum'))} "
                    f"(target batch {hetero['target_batch_size']})")
+    dilocos = [(name, r) for name, r in sorted(results.items()) if name.startswith("diloco") and "per_peer" in r]
+    if dilocos:
+        out.append("")
+        out.append("DiLoCo mode, 4 peers (compute utilization; pseudo-gradient rounds, trigger to outer step)")
+        out.append(f"{'run':>24} {'link':>7} {'overlap':>8} {'utilization':>12} {'epoch s':>8} {'round s':>8} "
+                   f"{'floor s':>8} {'rounds':>7}")
+        for name, r in dilocos:
+            d = r.get("diloco", {})
+            spans = [p for p in r["per_peer"].values() if p.get("epochs")]
+            epoch = sum(p["span_s"] / p["epochs"] for p in spans) / len(spans) if spans else None
+            out.append(f"{name:>24} {','.join(r['links']):>7} {'on' if d.get('overlapped') else 'off':>8} "
+                       f"{_f(r.get('utilization_mean')):>12} {_f(epoch, '.1f'):>8} {_f(d.get('round_s_median'), '.1f'):>8} "
+                       f"{_f(d.get('floor_s'), '.1f'):>8} {d.get('full_records', 0):>7}")
     churn = (results.get("churn") or {}).get("churn")
     if churn:
         out.append("")
