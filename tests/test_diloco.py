@@ -101,47 +101,6 @@ def test_centered_clip_keeps_a_scaling_attacker_from_derailing_diloco(swarm_fact
     assert honest["parts_reduced"] > 0 and honest["bytes_sent"] > 0
 
 
-@pytest.mark.timeout(300)
-def test_overlapped_rounds_keep_training_and_keep_the_global_parameters_identical(swarm_factory):
-    """``overlap_outer_round``: the round averages in the background while inner steps go on; the
-    outer step lands when it ends. Peers still agree bit for bit on the global parameters."""
-    swarm = swarm_factory(swarm={"mode": "diloco", "overlap_outer_round": True, "target_batch_size": 768,
-                                 "lr": 0.003, "warmup_epochs": 1, "total_epochs": 20})
-    swarm.start_coordinator()
-    epochs = 5
-    names = ("a", "b", "slow")
-    # Padded steps, as on GPU peers: the trainers leave the CPU to the averagers that run the
-    # round meanwhile (on this 2-core machine, trainers computing flat out starve them).
-    swarm.join("a", batch_size=16, max_epochs=epochs, extra=["--simulated-step-s", "0.2"])
-    swarm.join("b", batch_size=16, max_epochs=epochs, extra=["--simulated-step-s", "0.2"])
-    swarm.join("slow", batch_size=8, max_epochs=epochs, extra=["--simulated-step-s", "0.25"])
-    for name in names:
-        assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
-    summaries = {n: swarm.summary(n) for n in names}
-    by_epoch: dict[int, dict[str, str]] = {}
-    for name, s in summaries.items():
-        assert s["rounds"] and all(r["overlapped"] for r in s["rounds"]), s["rounds"]
-        for r in s["rounds"]:
-            if not r["diverged"]:
-                by_epoch.setdefault(r["epoch"], {})[name] = r["params_sha"]
-    for epoch, digests in by_epoch.items():
-        assert len(set(digests.values())) == 1, (epoch, digests)
-    # Most rounds have everyone (on a loaded 2-core machine a round sometimes goes on without one).
-    assert len([e for e, d in by_epoch.items() if len(d) == 3]) >= 2, by_epoch
-    # Each peer saves the global parameters when it leaves: one model.
-    finals = {n: digest_of(swarm.tmp / f"{n}.safetensors") for n in names}
-    assert len(set(finals.values())) == 1, finals
-    assert eval_loss(swarm.tmp / "a.safetensors") < initial_loss() - 0.5
-
-
-def test_overlap_is_a_diloco_setting():
-    from crowdtrain.swarm.config import SwarmConfig
-
-    assert SwarmConfig(mode="diloco", overlap_outer_round=True).overlap_outer_round
-    with pytest.raises(ValueError, match="overlap_outer_round applies to mode=diloco"):
-        SwarmConfig(overlap_outer_round=True)
-
-
 def test_the_outer_state_survives_a_pickle_free_checkpoint(tmp_path):
     """The momentum the auxiliary peer checkpoints (safetensors + JSON) resumes the same outer steps."""
     import json

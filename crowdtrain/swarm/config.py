@@ -14,8 +14,7 @@ peer steps its ``inner_optimizer`` on each local batch; one global epoch = one o
 step (``outer_lr``, ``outer_momentum``) on the averaged pseudo-gradient, taken when the swarm
 together has processed ``target_batch_size`` samples. ``lr``, ``betas``, ``eps``,
 ``weight_decay``, ``clip_grad_norm`` and the schedule then apply to the inner optimizer;
-``average_state_every``, ``delay_optimizer_step`` and ``offload_optimizer`` to sync mode only;
-``overlap_outer_round`` to DiLoCo mode only (its counterpart of ``delay_optimizer_step``).
+``average_state_every``, ``delay_optimizer_step`` and ``offload_optimizer`` to sync mode only.
 
 Aggregation (``aggregation``, ``crowdtrain.swarm.robust``): how each peer combines the parts
 it reduces in the butterfly all-reduce, in both modes: ``mean`` or ``centered_clip``
@@ -69,10 +68,6 @@ class SwarmConfig:
     inner_optimizer: str = "adamw"  # "adamw" or "lamb8bit"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    # DiLoCo mode: average the pseudo-gradient in the background while inner steps go on, and
-    # apply the outer step (keeping the inner progress made meanwhile) when the round ends. On slow
-    # links the round then costs no compute time unless it outlasts an epoch.
-    overlap_outer_round: bool = False
     # How each peer combines what it reduces: "mean" or "centered_clip" (robust to attackers).
     aggregation: str = "mean"
     clip_radius: float = 1.0  # centered_clip: multiple of the median distance of the parts from their median
@@ -101,9 +96,6 @@ class SwarmConfig:
         if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr} and "
                              f"{self.outer_momentum}")
-        if self.overlap_outer_round and self.mode != "diloco":
-            raise ValueError("overlap_outer_round applies to mode=diloco only (sync mode overlaps its optimizer step "
-                             "with delay_optimizer_step)")
         if not self.clip_radius > 0 or self.clip_iterations < 1:
             raise ValueError(f"clip_radius must be > 0 and clip_iterations >= 1, got {self.clip_radius} and "
                              f"{self.clip_iterations}")

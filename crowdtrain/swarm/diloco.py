@@ -13,15 +13,6 @@ lr 0.7, momentum 0.9) to the global parameters and restarts its inner steps from
 Bytes: one pseudo-gradient round per outer step, instead of a gradient round and a parameter
 round per global batch in sync mode. Compute keeps going between rounds.
 
-Overlap (``overlap_outer_round``): on a slow link the round itself takes long (a 22M model at
-10 Mbit/s: ~30 s). With overlap each peer snapshots its parameters at the sync point, lets the
-round average the pseudo-gradient in the background and goes on with inner steps; when the
-round ends it applies the outer step to the global parameters and sets its parameters to
-``new global + (params now - snapshot)``: the inner progress made meanwhile is kept and goes
-into the next pseudo-gradient. Global parameters stay bit-identical across peers; a peer's
-working copy differs by its own last few inner steps. The next sync waits for the round if it
-is still running. Streaming DiLoCo (Douillard et al. 2025) overlaps in the same spirit.
-
 Every peer ends a round with bit-identical global parameters: reducers send their result itself,
 compressed once, and use those bits themselves (``results_as_values`` in ``robust.py``);
 newcomers download the global parameters, the outer momentum and the epoch losslessly.
@@ -89,11 +80,6 @@ def state_priority(epoch: int, group_size: int, digest: str) -> float:
     """Newcomers (and peers healing a split) download the highest priority: the newest epoch, then
     the largest group, then the larger digest, so that every peer ranks two states alike."""
     return epoch + min(group_size, 999) / 1000 + int(digest[:4], 16) / 65536 / 10_000
-
-
-def epoch_group_bits(epoch: int, nbits: int = 16) -> str:
-    """The averager's group-key bits for a round of this epoch (``{prefix}.0b<bits>``)."""
-    return format(epoch % 2**nbits, f"0{nbits}b")
 
 
 def params_digest(tensors) -> str:
@@ -206,7 +192,6 @@ class DiLoCoOptimizer:
         self.global_params = self.averager.global_params
         self.samples_in_round = 0
         self.scheduled = None
-        self._pending: dict | None = None  # a round still averaging in the background (overlap_outer_round)
         self.rounds: list[dict] = []
         self.blocked_s = 0.0  # time the trainer spent in rounds and state downloads instead of computing
         self._last_round_end = -float("inf")
@@ -219,20 +204,13 @@ class DiLoCoOptimizer:
 
     @property
     def local_epoch(self) -> int:
-        """The epoch this peer trains for. While an overlapped round is still averaging, that is
-        already the next one; the global parameters (and the state served) keep theirs until it ends."""
-        return self._pending["new_epoch"] if self._pending is not None else self.averager.local_epoch
+        return self.averager.local_epoch
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
 
     def step(self) -> None:
-        if self._pending is not None and (self._pending["control"] is None or self._pending["control"].done()):
-            t0 = time.perf_counter()
-            if self._finish_round(self._pending):
-                self.load_state_from_peers()
-            self.blocked_s += time.perf_counter() - t0
         # After a sync smaller than the swarm: compare states when the others have had time to
         # publish theirs, and at the latest before the next sync (never average from a lost branch).
         if self._consensus_check_at is not None and (time.monotonic() >= self._consensus_check_at
@@ -255,8 +233,6 @@ class DiLoCoOptimizer:
             self._outer_step()
 
     def load_state_from_peers(self) -> None:
-        if self._pending is not None:  # end the running round first: it steps the parameters we replace
-            self._finish_round(self._pending)
         if self.scheduled is not None and not self.scheduled.done():
             self._tag_along_with_zero_weight(self.scheduled)
         self.scheduled = None
@@ -290,17 +266,12 @@ class DiLoCoOptimizer:
         return stats
 
     def finish_pending_updates(self) -> None:
-        """Before leaving: finish a round still running; if the last round may have split the swarm,
-        end on the canonical state, and stay a little longer to serve it (the other group's peers
-        download it from us). What is saved is the global parameters: inner steps since the last
-        sync were never averaged, so they are not part of the swarm's model."""
-        if self._pending is not None and self._finish_round(self._pending):
-            self.load_state_from_peers()
+        """Before leaving: if the last round may have split the swarm, end on the canonical state,
+        and stay a little longer to serve it (the other group's peers download it from us)."""
         if self._consensus_check_at is not None:
             time.sleep(max(0.0, self._consensus_check_at - time.monotonic()))
             self._heal_split()
             time.sleep(2 * self.config.matchmaking_time_s)
-        self._restart_from_global()
 
     def shutdown(self) -> None:
         # Groupmates may still be receiving our reducer's results of the last round (they finish
@@ -334,116 +305,70 @@ class DiLoCoOptimizer:
 
     def _maybe_schedule_round(self) -> None:
         """Start matchmaking shortly before the swarm reaches the sync point, so it overlaps compute."""
-        if self._pending is not None:  # its outer step decides the base the next round declares
-            return
         if self.tracker.estimated_next_update_time - get_dht_time() > self.config.matchmaking_time_s:
             return
         if self.scheduled is None or self.scheduled.triggered or self.scheduled.done():
             self.scheduled = self._begin_matchmaking()
 
     def _begin_matchmaking(self):
-        if self.config.overlap_outer_round:
-            # Overlapped peers drift further out of phase, and hivemind groups ignore epochs: the
-            # group key carries the epoch, so a late peer's round never meets the others' next one
-            # (it finds no group and downloads the state instead). Without overlap this is not done:
-            # a pre-scheduled round then waits out a whole timeout after a state download.
-            self.averager.set_group_bits(epoch_group_bits(self.local_epoch))
         gather = {"epoch": self.local_epoch, "base": params_digest(self.global_params)}
         return self.averager.step(gather=gather, wait=False, require_trigger=True,
                                   timeout=self.config.averaging_timeout_s)
 
     def _outer_step(self) -> None:
-        """The sync point: average pseudo-gradients and step the global parameters. With
-        ``overlap_outer_round`` the round runs in the background while inner steps go on, and its
-        outer step is applied when it ends (at the latest, at the next sync point)."""
         t0 = time.perf_counter()
-        if self._pending is not None and self._finish_round(self._pending):  # slower than an epoch: waited
-            self.load_state_from_peers()
-            self.blocked_s += time.perf_counter() - t0
-            return  # restarted from the swarm's state: this peer's next round starts from there
-        if self._consensus_check_at is not None:  # never average from a lost branch
-            self._heal_split()
+        before = self.averager.wire_stats.snapshot()
+        epoch = self.local_epoch
         with self.tracker.pause_updates():
-            epoch = self.local_epoch
-            round_ = {"epoch": epoch, "new_epoch": max(epoch + 1, self.tracker.global_epoch),
-                      "swarm_peers": self.tracker.global_progress.num_peers, "t0": t0,
-                      "before": self.averager.wire_stats.snapshot(), "snapshot": None}
+            swarm_peers = self.tracker.global_progress.num_peers
             with torch.no_grad(), self.averager.get_tensors() as buffers:
                 for buffer, g, p in zip(buffers, self.global_params, self.params):
                     buffer.copy_(g).sub_(p.detach().to("cpu", torch.float32))  # pseudo-gradient
-            round_["control"] = self._trigger(weight=self.samples_in_round)
-            self.samples_in_round = 0
-            if self.config.overlap_outer_round:
-                round_["snapshot"] = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
-                self._pending = round_
-                self.tracker.update_epoch(round_["new_epoch"])  # the next round's samples count from now
-                self._check_sync = True
-                diverged = False
-            else:
-                diverged = self._finish_round(round_)
-        if diverged:
-            self.load_state_from_peers()
-        self.blocked_s += time.perf_counter() - t0
-
-    def _finish_round(self, round_: dict) -> bool:
-        """Wait for the round's averaged pseudo-gradient, take the outer step, and restart the
-        inner steps from the new global parameters (plus, when overlapped, the inner progress made
-        since the round began). True when this peer must download the swarm's state (the caller
-        does, outside the tracker's lock)."""
-        self._pending = None
-        epoch, new_epoch, swarm_peers = round_["epoch"], round_["new_epoch"], round_["swarm_peers"]
-        gathered = self._collect(round_["control"])
-        group_size = len(gathered) if gathered else 1
-        # With no group (alone, or the round failed), the buffers hold our own pseudo-gradient:
-        # the outer step is that of a group of one.
-        with self.averager.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
-            for g, buffer in zip(self.global_params, buffers):
-                g.grad = buffer
-            self.averager.optimizer.step()
-            for g in self.global_params:
-                g.grad = None
-            self.averager.local_epoch = new_epoch
-        if round_["snapshot"] is None:
+            gathered = self._average(weight=self.samples_in_round)
+            group_size = len(gathered) if gathered else 1
+            # With no group (alone, or the round failed), the buffers hold our own pseudo-gradient:
+            # the outer step is that of a group of one.
+            with self.averager.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
+                for g, buffer in zip(self.global_params, buffers):
+                    g.grad = buffer
+                self.averager.optimizer.step()
+                for g in self.global_params:
+                    g.grad = None
+                self.averager.local_epoch = new_epoch = max(epoch + 1, self.tracker.global_epoch)
             self._restart_from_global()
             self.tracker.update_epoch(new_epoch)
+            self.samples_in_round = 0
             self._check_sync = True
-        else:
-            with torch.no_grad():
-                for p, g, before in zip(self.params, self.global_params, round_["snapshot"]):
-                    p.add_(g.to(p.device, p.dtype) - before.to(p.device, p.dtype))
-        after = self.averager.wire_stats.snapshot()
-        before = round_["before"]
-        diverged = self._diverged(gathered, swarm_peers, after["elements_missing"] - before["elements_missing"])
-        if self._minority_base:
-            # Our global parameters (the previous sync's result) were not the majority's:
-            # that sync split the swarm and ours was not the canonical result.
-            with self._rounds_lock:
-                if self.rounds and self.rounds[-1]["epoch"] == epoch - 1:
-                    self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
-        self._share_state(0 if diverged else group_size)
-        # A group smaller than the swarm: another group may have stepped from other pseudo-
-        # gradients at the same time. Compare notes once their rounds are over too. A diverged
-        # peer downloads at once, but the others may not have finished this round yet (it then
-        # keeps its own state): it looks again then too.
-        if diverged or group_size < swarm_peers:
-            self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
-        record = {"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers,
-                  "seconds": time.perf_counter() - round_["t0"],
+            after = self.averager.wire_stats.snapshot()
+            missing = after["elements_missing"] - before["elements_missing"]
+            diverged = self._diverged(gathered, swarm_peers, missing)
+            if self._minority_base:
+                # Our global parameters (the previous sync's result) were not the majority's:
+                # that sync split the swarm and ours was not the canonical result.
+                with self._rounds_lock:
+                    if self.rounds and self.rounds[-1]["epoch"] == epoch - 1:
+                        self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
+            self._share_state(0 if diverged else group_size)
+            # A group smaller than the swarm: another group may have stepped from other pseudo-
+            # gradients at the same time. Compare notes once their rounds are over too.
+            if not diverged and group_size < swarm_peers:
+                self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
+        record = {"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers, "seconds": time.perf_counter() - t0,
                   "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
                   "aggregate_s": after["aggregate_s"] - before["aggregate_s"],
                   "parts_dropped": after["parts_dropped"] - before["parts_dropped"],
-                  "params_sha": params_digest(self.global_params), "diverged": diverged,
-                  "overlapped": round_["snapshot"] is not None}
+                  "params_sha": params_digest(self.global_params), "diverged": diverged}
         with self._rounds_lock:
             self.rounds.append(record)
         self._last_round_end = time.monotonic()
         logger.log(self.status_loglevel, "outer step %d -> %d with %d/%d peers in %.2fs", epoch, new_epoch, group_size,
                    swarm_peers, record["seconds"])
-        return diverged
+        if diverged:
+            self.load_state_from_peers()
+        self.blocked_s += time.perf_counter() - t0
 
-    def _trigger(self, weight: int):
-        """Let the scheduled round (or a new one) average the pseudo-gradient buffers; its control,
-        or None with nobody to average with."""
+    def _average(self, weight: int) -> dict | None:
+        """Average the pseudo-gradient buffers with the swarm; the group's gathered data, or None."""
         control = self.scheduled
         self.scheduled = None
         if control is None or control.triggered or control.done():
@@ -453,18 +378,6 @@ class DiLoCoOptimizer:
         try:
             control.weight = weight
             control.allow_allreduce()
-        except BaseException as e:
-            logger.log(self.status_loglevel, "could not start averaging pseudo-gradients (%r)", e)
-            if not control.done():
-                control.cancel()
-            return None
-        return control
-
-    def _collect(self, control) -> dict | None:
-        """The group's gathered data once the round is over, or None (no round, or it failed)."""
-        if control is None:
-            return None
-        try:
             return control.result(self.config.averaging_timeout_s)
         except BaseException as e:
             logger.log(self.status_loglevel, "averaging pseudo-gradients failed (%r); using this peer's own", e)
@@ -510,7 +423,7 @@ class DiLoCoOptimizer:
         (``state_priority``: the largest group, then the digest), so peers outside the winning group
         download its state and the swarm is one model again."""
         self._consensus_check_at = None
-        epoch = self.averager.local_epoch
+        epoch = self.local_epoch
         with self._rounds_lock:
             group_size = self.rounds[-1]["group_size"] if self.rounds else 0
         # Computed, not read from the averager: a client-mode peer shares no state but ranks alike.

@@ -67,17 +67,6 @@ def churn(minutes: float, rate: str = "10mbit/50mbit") -> RunPlan:
     return RunPlan("churn", peers, minutes=minutes, swarm={"target_batch_size": paper_batch(4)})
 
 
-def diloco(name: str, rate: str, *, minutes: float, overlap: bool, epoch_compute_s: float = 60.0) -> RunPlan:
-    """DiLoCo mode, four peers: one outer round per ``epoch_compute_s`` of the swarm's computation.
-    At 10 Mbit/s a round of the 22M model needs ~27 s of each peer's uplink (its floor); without
-    ``overlap_outer_round`` the peers wait that long at every sync, with it they compute meanwhile."""
-    peers = [PeerPlan(f"p{i + 1}", LinkSpec.parse(rate), step_s=STEP_S) for i in range(4)]
-    target = int(round(len(peers) * epoch_compute_s / STEP_S))
-    return RunPlan(name, peers, minutes=minutes,
-                   swarm={"mode": "diloco", "overlap_outer_round": overlap, "target_batch_size": target,
-                          "lr": 1e-3, "warmup_epochs": 1})
-
-
 def plans(scale: float = 1.0) -> list[RunPlan]:
     """The matrix, most important first (a run cut short still leaves the earlier ones)."""
     m100, m10 = 3.0 * scale, 4.0 * scale
@@ -89,9 +78,7 @@ def plans(scale: float = 1.0) -> list[RunPlan]:
             uniform("r10-n2", 2, "10mbit", minutes=m10), uniform("r10-n8", 8, "10mbit", minutes=m10), *solos,
             # Control: the same swarm on 1 Gbit/s links, where the link floor is 0.27 s: what the
             # round costs this machine's CPU (compression, serialization, reduction) on its own.
-            uniform("r1000-n4", 4, "1gbit", minutes=m100),
-            diloco("diloco-r10-n4", "10mbit", minutes=7.0 * scale, overlap=True),
-            diloco("diloco-r10-n4-nooverlap", "10mbit", minutes=7.0 * scale, overlap=False)]
+            uniform("r1000-n4", 4, "1gbit", minutes=m100)]
 
 
 def run_suite(out_dir: Path, *, only: list[str] | None = None, scale: float = 1.0) -> dict:
