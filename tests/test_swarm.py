@@ -84,13 +84,12 @@ def test_three_unequal_peers_train_one_model(swarm_factory):
 def test_two_peers_and_one_peer_learn_with_the_same_global_batch(swarm_factory, tmp_path):
     """Same samples, same global batch, same number of optimizer steps.
 
-    With epochs of 384 samples (~3 s, about one matchmaking window) the pair's improvement was
-    0.31-0.63x the solo peer's: peers fell out of step and stepped alone. With 768 (several
-    windows) both peers averaged in every round and the pair reached 0.80x (loss 4.006 vs 3.916
-    from 4.360). This test pins what holds under any CPU load (both learn) and prints the ratio.
+    Known gap (open in issue 4): the pair's improvement has ranged from 0.31x to about 1x the
+    solo peer's across runs, lower when the CPU is contended. The cause is not found yet; this
+    test pins what holds (both learn) and prints the ratio.
     """
-    epochs = 5
-    solo = swarm_factory(swarm={"target_batch_size": 768})
+    epochs = 10
+    solo = swarm_factory()
     solo.start_coordinator()
     solo.join("solo", batch_size=16, max_epochs=epochs)
     assert solo.wait_exit("solo", 300) == 0, solo.log("solo")[-3000:]
@@ -98,7 +97,7 @@ def test_two_peers_and_one_peer_learn_with_the_same_global_batch(swarm_factory, 
     solo_loss = eval_loss(solo.tmp / "solo.safetensors")
 
     (tmp_path / "pair").mkdir()
-    pair = swarm_factory(swarm={"target_batch_size": 768})
+    pair = swarm_factory()
     pair.tmp = tmp_path / "pair"
     pair.run_dir = pair.tmp / "run"
     pair.start_coordinator()
