@@ -70,7 +70,7 @@ def suite_tables(results: dict) -> str:
                        f"{_f(p.get('utilization')):>12}")
         out.append(f"swarm / sum of solos = {_f(hetero.get('ratio_to_solo_sum'))} "
                    f"(target batch {hetero['target_batch_size']})")
-    dilocos = [(name, r) for name, r in sorted(results.items()) if name.startswith("diloco") and "per_peer" in r]
+    dilocos = [(name, r) for name, r in sorted(results.items()) if "diloco" in r and "per_peer" in r]
     if dilocos:
         out.append("")
         out.append("DiLoCo mode, 4 peers (compute utilization; pseudo-gradient rounds, trigger to outer step)")
