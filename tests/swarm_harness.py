@@ -93,6 +93,22 @@ class Swarm:
         raise TimeoutError(f"swarm did not reach epoch {epoch} in {timeout}s (status {status})\n"
                            + "\n".join(f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs))
 
+    def wait_in_step(self, users, timeout: float) -> dict[str, int]:
+        """Until every named peer's published epoch is within one of the others' (a peer that
+        missed a round catches up by downloading the state); their epochs."""
+        deadline = time.monotonic() + timeout
+        epochs: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            try:
+                epochs = {p["user"]: int(p["epoch"]) for p in self.status().get("peers", []) if p.get("user") in users}
+            except OSError:
+                epochs = {}
+            if set(epochs) == set(users) and max(epochs.values()) - min(epochs.values()) <= 1:
+                return epochs
+            time.sleep(1)
+        raise TimeoutError(f"peers {sorted(users)} did not get within one epoch of each other in {timeout}s: {epochs}\n"
+                           + "\n".join(f"--- {n}\n{self.log(n)[-1500:]}" for n in users))
+
     def wait_exit(self, name: str, timeout: float) -> int:
         try:
             return self.procs[name].wait(timeout=timeout)

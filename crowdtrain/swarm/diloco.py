@@ -215,7 +215,8 @@ class DiLoCoOptimizer:
         # publish theirs, and at the latest before the next sync (never average from a lost branch).
         if self._consensus_check_at is not None and (time.monotonic() >= self._consensus_check_at
                                                      or self.tracker.ready_to_update_epoch):
-            self._heal_split()
+            if self._heal_split():
+                return  # this batch's gradient was computed from the losing branch's parameters
         if self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "peer is out of sync with the swarm; downloading the state")
             t0 = time.perf_counter()
@@ -232,11 +233,21 @@ class DiLoCoOptimizer:
         if self.tracker.ready_to_update_epoch:
             self._outer_step()
 
-    def load_state_from_peers(self) -> None:
+    def load_state_from_peers(self, *, lost_branch: bool = False) -> None:
+        """Download the swarm's newest state. ``lost_branch``: our global parameters are a losing
+        result of this epoch's sync (a split, a failed round): stop offering them at once, since a
+        peer healing the same split must not download them instead of the winners', and wait up to
+        an averaging timeout for the winners to publish this epoch's state (they may still be
+        finishing their round); never settle for an older epoch, which would undo outer steps."""
         if self.scheduled is not None and not self.scheduled.done():
             self._tag_along_with_zero_weight(self.scheduled)
         self.scheduled = None
-        for attempt in range(3):
+        if lost_branch and not self.client_mode:
+            self.averager.allow_state_sharing = False
+        deadline = time.monotonic() + (self.config.averaging_timeout_s if lost_branch else 0.0)
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 # Never go back in epochs (e.g. to the coordinator's last checkpoint when the
                 # trainers have left): an older state would undo outer steps.
@@ -244,8 +255,13 @@ class DiLoCoOptimizer:
                                                             min_epoch=self.local_epoch)
             except Exception as e:  # a peer left mid-download: try the next best one
                 logger.warning("downloading the state failed (%r); retrying", e)
-                continue
-            if epoch is None or epoch >= self.tracker.global_epoch:
+                epoch = -1
+            if epoch is not None and epoch >= self.tracker.global_epoch:
+                break
+            if time.monotonic() >= deadline and (epoch is None or attempt >= 3):
+                if lost_branch:
+                    logger.warning("no peer offered the winning state of epoch %d in time; going on with ours",
+                                   self.local_epoch)
                 break
             time.sleep(1.0)  # the peers are between rounds: their new state is a moment away
         with self.tracker.pause_updates():
@@ -253,6 +269,8 @@ class DiLoCoOptimizer:
             self.samples_in_round = 0
             self.tracker.report_local_progress(self.local_epoch, 0)
             self._check_sync = True
+            if lost_branch and not self.client_mode:
+                self.averager.allow_state_sharing = True
             self._share_state(group_size=0)
 
     def last_round(self) -> dict | None:
@@ -267,11 +285,14 @@ class DiLoCoOptimizer:
 
     def finish_pending_updates(self) -> None:
         """Before leaving: if the last round may have split the swarm, end on the canonical state,
-        and stay a little longer to serve it (the other group's peers download it from us)."""
+        and stay a little longer to serve it (the other group's peers download it from us). The
+        model left behind is the swarm's global parameters: inner steps since the last sync were
+        never shared, and the swarm's model does not have them either."""
         if self._consensus_check_at is not None:
             time.sleep(max(0.0, self._consensus_check_at - time.monotonic()))
             self._heal_split()
             time.sleep(2 * self.config.matchmaking_time_s)
+        self._restart_from_global()
 
     def shutdown(self) -> None:
         # Groupmates may still be receiving our reducer's results of the last round (they finish
@@ -348,7 +369,8 @@ class DiLoCoOptimizer:
                 with self._rounds_lock:
                     if self.rounds and self.rounds[-1]["epoch"] == epoch - 1:
                         self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
-            self._share_state(0 if diverged else group_size)
+            if not diverged:
+                self._share_state(group_size)
             # A group smaller than the swarm: another group may have stepped from other pseudo-
             # gradients at the same time. Compare notes once their rounds are over too.
             if not diverged and group_size < swarm_peers:
@@ -364,7 +386,7 @@ class DiLoCoOptimizer:
         logger.log(self.status_loglevel, "outer step %d -> %d with %d/%d peers in %.2fs", epoch, new_epoch, group_size,
                    swarm_peers, record["seconds"])
         if diverged:
-            self.load_state_from_peers()
+            self.load_state_from_peers(lost_branch=True)
         self.blocked_s += time.perf_counter() - t0
 
     def _average(self, weight: int) -> dict | None:
@@ -375,15 +397,43 @@ class DiLoCoOptimizer:
             if self.tracker.global_progress.num_peers < self.config.min_group_size:
                 return None  # alone, or too few for the aggregation rule: nobody to wait for
             control = self._begin_matchmaking()
+        epoch = self.local_epoch
+        started = time.monotonic()
+        deadline = started + self.config.averaging_timeout_s
         try:
             control.weight = weight
             control.allow_allreduce()
-            return control.result(self.config.averaging_timeout_s)
+            while True:
+                try:
+                    return control.result(min(1.0, max(0.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    if control.done() or time.monotonic() >= deadline:
+                        raise
+                # Still looking for a group while others have already stepped past this epoch:
+                # their round went on without us. Stop waiting out the timeout; download their
+                # state while they are still there to serve it (they may be about to leave).
+                if (control.stage == AveragingStage.LOOKING_FOR_GROUP
+                        and time.monotonic() - started > self.config.matchmaking_time_s
+                        and self._swarm_epoch_now() > epoch):
+                    raise TimeoutError(f"the swarm finished epoch {epoch}'s round without this peer")
         except BaseException as e:
             logger.log(self.status_loglevel, "averaging pseudo-gradients failed (%r); using this peer's own", e)
             if not control.done():
                 control.cancel()
             return None
+
+    def _swarm_epoch_now(self) -> int:
+        """The newest epoch any peer reports, read from the DHT now: the tracker is paused (and its
+        view frozen) while this peer is in a round."""
+        try:
+            found = self.tracker.dht.get(self.tracker.training_progress_key, latest=True)
+        except Exception as e:  # the DHT is busy: keep waiting for the round
+            logger.debug("could not read the swarm's progress: %r", e)
+            return -1
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        epochs = [v.value["epoch"] for v in entries.values()
+                  if isinstance(getattr(v, "value", None), dict) and isinstance(v.value.get("epoch"), int)]
+        return max(epochs, default=-1)
 
     def _diverged(self, gathered: dict | None, swarm_peers: int, missing: int) -> bool:
         """True when this peer's global parameters may differ from the swarm's: its round failed
@@ -417,11 +467,11 @@ class DiLoCoOptimizer:
             self.averager.state_sharing_priority = state_priority(self.local_epoch, group_size,
                                                                   params_digest(self.global_params))
 
-    def _heal_split(self) -> None:
+    def _heal_split(self) -> bool:
         """Where the swarm split into several groups at the last sync, every group stepped to the
         same epoch with different global parameters. All peers rank those states the same way
         (``state_priority``: the largest group, then the digest), so peers outside the winning group
-        download its state and the swarm is one model again."""
+        download its state and the swarm is one model again. True if this peer downloaded it."""
         self._consensus_check_at = None
         epoch = self.local_epoch
         with self._rounds_lock:
@@ -432,17 +482,18 @@ class DiLoCoOptimizer:
             found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
         except Exception as e:  # the DHT is busy: the next round's checks catch a split too
             logger.debug("could not read the swarm's states: %r", e)
-            return
+            return False
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         offers = [float(v.value) for v in entries.values() if isinstance(getattr(v, "value", None), (int, float))]
         better = [p for p in offers if int(p) == epoch and p > mine + 1e-12]
         if not better:
-            return
+            return False
         logger.warning("the swarm split into groups at epoch %d; taking the largest group's state", epoch)
         with self._rounds_lock:
             if self.rounds and self.rounds[-1]["epoch"] + 1 == epoch:
                 self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
-        self.load_state_from_peers()
+        self.load_state_from_peers(lost_branch=True)
+        return True
 
     def _tag_along_with_zero_weight(self, control) -> None:
         try:
