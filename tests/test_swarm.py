@@ -129,6 +129,8 @@ def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
         assert time.monotonic() < deadline, swarm.log("newcomer")[-3000:]
         time.sleep(1)
     swarm.wait_epoch(killed_at + 4, 180)
+    at_join = swarm.log("newcomer").split("joined run")[0]
+    assert at_join.count("Finished downloading state") == 1, "one download: the state, no gradient buffers"
 
     swarm.kill("coordinator", signal.SIGTERM)
     restarted = swarm.start_coordinator()

@@ -94,11 +94,12 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                                 "done_unix": time.time()})
 
     def load_state_from_peers(self, **kwargs) -> None:
-        """hivemind's catch-up, bounded. hivemind retries a failed download forever, and a peer that
-        is behind downloads again at every step; a peer left behind when everyone else has gone
-        (they reached ``--max-epochs``, or the run is over) did that for good. Here a download
-        that keeps failing, or a peer that stays behind after downloading, gives up after
-        ``give_up_s`` with :class:`StateUnavailable`, which ``crowdtrain join`` reports."""
+        """hivemind's catch-up, bounded and without its second download (see below). hivemind
+        retries a failed download forever, and a peer that is behind downloads again at every
+        step; a peer left behind when everyone else has gone (they reached ``--max-epochs``, or
+        the run is over) did that for good. Here a download that keeps failing, or a peer that
+        stays behind after downloading, gives up after ``give_up_s`` with
+        :class:`StateUnavailable`, which ``crowdtrain join`` reports."""
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)  # as hivemind: do not stall the round
             self.scheduled_grads = None
@@ -107,9 +108,11 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         with self.tracker.pause_updates():
             while True:
                 try:
+                    # The state only: hivemind also downloads the gradient averager's "state", its
+                    # fp32 gradient accumulators, then discards them (and zeroes its own below):
+                    # a second, larger download (model x 4 bytes, uncompressed) for nothing, which
+                    # more than doubled a newcomer's wait on a 10 Mbit/s link.
                     self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-                    if self.grad_averager is not None:
-                        self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
                     break
                 except KeyboardInterrupt:
                     raise
