@@ -32,10 +32,24 @@ class _Optimizer(SimpleNamespace):
         return self.state_averager.local_epoch
 
 
-def _optimizer(outcomes, global_epoch, give_up_s):
+class _DHT:
+    """Peers' progress records as hivemind's ProgressTracker stores them."""
+
+    def __init__(self, epochs=()):
+        self.epochs = list(epochs)
+
+    def get(self, key, latest):
+        assert key == "run_progress" and latest
+        records = {f"peer{i}": SimpleNamespace(value={"epoch": e, "samples_accumulated": 0})
+                   for i, e in enumerate(self.epochs)}
+        return SimpleNamespace(value=records) if records else None
+
+
+def _optimizer(outcomes, global_epoch, give_up_s, swarm_epochs=()):
     averager = _StateAverager(outcomes)
     tracker = SimpleNamespace(global_epoch=global_epoch, pause_updates=contextlib.nullcontext,
-                              report_local_progress=lambda **kw: None)
+                              report_local_progress=lambda **kw: None, dht=_DHT(swarm_epochs),
+                              training_progress_key="run_progress")
     opt = _Optimizer(scheduled_grads=None, state_averager=averager, grad_averager=None, tracker=tracker,
                      load_state_timeout=1.0, give_up_s=give_up_s, _behind_since=None, client_mode=True,
                      use_gradient_averaging=False)
@@ -91,3 +105,12 @@ def test_catching_up_downloads_the_state_once_not_the_gradient_buffers_too():
     SwarmOptimizer.load_state_from_peers(opt)
     assert averager.calls == 1 and opt.local_epoch == 5
     assert opt.grad_averager.downloads == 0 and opt.grad_averager.resets == 1
+
+
+def test_after_a_long_download_the_epoch_check_reads_the_swarm_afresh():
+    # The tracker is paused during the download, so its epoch is as old as the download start
+    # (5); the swarm moved to 6 meanwhile. One epoch behind catches up (as hivemind intends)
+    # instead of downloading again at the next step.
+    opt, averager = _optimizer([5], global_epoch=5, give_up_s=600, swarm_epochs=[6, 6, 5])
+    SwarmOptimizer.load_state_from_peers(opt)
+    assert averager.calls == 1 and opt.local_epoch == 6

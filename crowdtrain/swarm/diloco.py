@@ -45,6 +45,7 @@ from hivemind.utils import get_dht_time
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.swarm.optimizer import swarm_epoch_now
 from crowdtrain.swarm.robust import RobustAveragerMixin, make_aggregator
 
 logger = logging.getLogger(__name__)
@@ -414,26 +415,13 @@ class DiLoCoOptimizer:
                 # state while they are still there to serve it (they may be about to leave).
                 if (control.stage == AveragingStage.LOOKING_FOR_GROUP
                         and time.monotonic() - started > self.config.matchmaking_time_s
-                        and self._swarm_epoch_now() > epoch):
+                        and swarm_epoch_now(self.tracker) > epoch):
                     raise TimeoutError(f"the swarm finished epoch {epoch}'s round without this peer")
         except BaseException as e:
             logger.log(self.status_loglevel, "averaging pseudo-gradients failed (%r); using this peer's own", e)
             if not control.done():
                 control.cancel()
             return None
-
-    def _swarm_epoch_now(self) -> int:
-        """The newest epoch any peer reports, read from the DHT now: the tracker is paused (and its
-        view frozen) while this peer is in a round."""
-        try:
-            found = self.tracker.dht.get(self.tracker.training_progress_key, latest=True)
-        except Exception as e:  # the DHT is busy: keep waiting for the round
-            logger.debug("could not read the swarm's progress: %r", e)
-            return -1
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        epochs = [v.value["epoch"] for v in entries.values()
-                  if isinstance(getattr(v, "value", None), dict) and isinstance(v.value.get("epoch"), int)]
-        return max(epochs, default=-1)
 
     def _diverged(self, gathered: dict | None, swarm_peers: int, missing: int) -> bool:
         """True when this peer's global parameters may differ from the swarm's: its round failed

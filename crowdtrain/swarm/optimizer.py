@@ -121,7 +121,9 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                     if waited > self.give_up_s:
                         raise StateUnavailable(f"no peer served the swarm's state in {waited:.0f}s ({e!r})") from e
                     logger.warning("could not load the state from peers (%r); retrying", e)
-            global_epoch = self.tracker.global_epoch
+            # Read afresh: the paused tracker's view is as old as the download, which on a slow
+            # link spans epochs; hivemind's stale check sent such a peer to download again.
+            global_epoch = swarm_epoch_now(self.tracker)
             if global_epoch - 1 <= self.local_epoch < global_epoch:
                 logger.info("catching up with the swarm's epoch %d", global_epoch)
                 self.state_averager.local_epoch = global_epoch
@@ -149,6 +151,20 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     def finish_pending_updates(self) -> None:
         """Apply the delayed optimizer step, if one is running in the background."""
         self.state_averager.step(wait_for_delayed_updates=True)
+
+
+def swarm_epoch_now(tracker) -> int:
+    """The newest epoch any peer reports, read from the DHT now: a paused ProgressTracker's view is
+    frozen (during a round or a state download). Falls back to the tracker's view."""
+    try:
+        found = tracker.dht.get(tracker.training_progress_key, latest=True)
+    except Exception as e:  # the DHT is busy
+        logger.debug("could not read the swarm's progress: %r", e)
+        return tracker.global_epoch
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    epochs = [v.value["epoch"] for v in entries.values()
+              if isinstance(getattr(v, "value", None), dict) and isinstance(v.value.get("epoch"), int)]
+    return max([tracker.global_epoch, *epochs])
 
 
 def _wait_for_allreduce_start(control, timeout_s: float) -> float | None:
