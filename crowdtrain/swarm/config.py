@@ -60,7 +60,11 @@ class SwarmConfig:
     clip_grad_norm: float = 4.0
     warmup_epochs: int = 100  # linear warm-up, then linear decay to zero at total_epochs
     total_epochs: int = 1000
-    delay_optimizer_step: bool = True  # the optimizer step overlaps the next step's compute
+    # The optimizer step (and gradient round) overlaps the next epoch's compute, whose gradients
+    # are then one step stale for as long as the round lasts: free when a round is a few percent
+    # of an epoch (the paper's regime); when rounds fill most of an epoch, set False (convergence
+    # per step of a lone peer, at the cost of waiting for each round).
+    delay_optimizer_step: bool = True
     offload_optimizer: bool = True  # optimizer state lives on the CPU on GPU peers
     checkpoint_every_epochs: int = 10  # the coordinator's auxiliary peer saves this often
     mode: str = "sync"  # "sync" (average gradients every epoch) or "diloco" (see the module docstring)
