@@ -1,11 +1,17 @@
 """A peer that cannot catch up with the swarm gives up with a reason instead of retrying forever
-(the bounded ``SwarmOptimizer.load_state_from_peers``; hivemind's own loop never ends)."""
+(the bounded ``SwarmOptimizer.load_state_from_peers``; hivemind's own loop never ends); a peer
+left out of a round stops waiting for it and takes the group's state."""
 
 import contextlib
+import time
 from types import SimpleNamespace
 
+import hivemind
 import pytest
+from hivemind.averaging.control import AveragingStage
+from hivemind.utils import get_dht_time
 
+from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import StateUnavailable, SwarmOptimizer
 
@@ -52,7 +58,7 @@ def _optimizer(outcomes, global_epoch, give_up_s, swarm_epochs=()):
                               training_progress_key="run_progress")
     opt = _Optimizer(scheduled_grads=None, state_averager=averager, grad_averager=None, tracker=tracker,
                      load_state_timeout=1.0, give_up_s=give_up_s, _behind_since=None, client_mode=True,
-                     use_gradient_averaging=False)
+                     use_gradient_averaging=False, _lost_round=None)
     return opt, averager
 
 
@@ -114,3 +120,62 @@ def test_after_a_long_download_the_epoch_check_reads_the_swarm_afresh():
     opt, averager = _optimizer([5], global_epoch=5, give_up_s=600, swarm_epochs=[6, 6, 5])
     SwarmOptimizer.load_state_from_peers(opt)
     assert averager.calls == 1 and opt.local_epoch == 6
+
+
+def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state():
+    # A round that went on without this peer: it is still looking for a group after a
+    # matchmaking time and another peer reports having finished this epoch's round in a group.
+    # Waiting out the averaging timeout would only let that group leave before we download.
+    control = SimpleNamespace(stage=AveragingStage.LOOKING_FOR_GROUP, done=lambda: False)
+    asked = []
+    opt = SimpleNamespace(averaging_timeout=30.0, matchmaking_time=0.2,
+                          _others_finished=lambda epoch: asked.append(epoch) or len(asked) >= 2)
+    started = time.monotonic()
+    allreduce_unix, left_out = SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4)
+    assert left_out and allreduce_unix is None and asked == [4, 4]
+    assert 1.0 <= time.monotonic() - started < 5.0, "checked once a second after the matchmaking time"
+    # A peer in a running all-reduce is not left out, whatever the others say.
+    control.stage = AveragingStage.RUNNING_ALLREDUCE
+    assert SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4)[1] is False
+
+    # The next step downloads, with our diverged state hidden meanwhile from other left-out peers.
+    opt, averager = _optimizer([5], global_epoch=5, give_up_s=600)
+    opt.client_mode, opt._lost_round = False, 4
+    # The next round, scheduled ahead, has no group yet: cancelled, not waited for (hivemind
+    # tags along with zero weight and blocks until that round ends, maybe an epoch away).
+    cancelled = []
+    opt.scheduled_grads = SimpleNamespace(done=lambda: False, triggered=False, stage=AveragingStage.LOOKING_FOR_GROUP,
+                                          cancel=lambda: cancelled.append(True))
+    opt._tag_along_with_zero_weight = lambda control: pytest.fail("waited for a round with no group yet")
+    opt.state_averager.allow_state_sharing = True
+    sharing = []
+    averager.load_state_from_peers = lambda timeout: (sharing.append(averager.allow_state_sharing),
+                                                      setattr(averager, "local_epoch", 5))
+    SwarmOptimizer.load_state_from_peers(opt)
+    assert sharing == [False] and averager.allow_state_sharing is True and opt._lost_round is None
+    assert cancelled == [True] and opt.scheduled_grads is None
+
+
+def test_round_records_are_signed_and_validated():
+    validators, signer = swarm_metrics.make_validators("run")
+    other_validators, other = swarm_metrics.make_validators("run")
+    dht = hivemind.DHT(start=True, record_validators=validators)
+    peer = hivemind.DHT(initial_peers=dht.get_visible_maddrs(), start=True, record_validators=other_validators)
+    try:
+        assert swarm_metrics.largest_finished_group(dht, "run", 3) == 0
+        swarm_metrics.publish_round(peer, "run", other, epoch=3, group_size=2)
+        deadline = time.monotonic() + 10
+        while swarm_metrics.largest_finished_group(dht, "run", 3) != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert swarm_metrics.largest_finished_group(dht, "run", 3) == 2
+        assert swarm_metrics.largest_finished_group(dht, "run", 4) == 0, "a record names its epoch"
+        # Nobody can write a round record in another peer's name, nor a malformed one.
+        forged = peer.store(swarm_metrics.rounds_key("run"), subkey=signer.local_public_key,
+                            value={"epoch": 3, "group_size": 5}, expiration_time=get_dht_time() + 60)
+        malformed = peer.store(swarm_metrics.rounds_key("run"), subkey=other.local_public_key,
+                               value={"epoch": 3, "group_size": 1}, expiration_time=get_dht_time() + 60)
+        assert not forged and not malformed
+        assert swarm_metrics.largest_finished_group(dht, "run", 3) == 2
+    finally:
+        peer.shutdown()
+        dht.shutdown()

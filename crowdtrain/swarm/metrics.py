@@ -47,9 +47,17 @@ class AccessTokenRecord(pydantic.BaseModel):
     signature: pydantic.StrictStr
 
 
+class RoundRecord(pydantic.BaseModel):
+    """A peer finished a gradient round in a group (see ``SwarmOptimizer``): a peer still looking
+    for that round's group was left out, and need not wait out the averaging timeout."""
+    epoch: pydantic.conint(ge=0, strict=True)  # the epoch whose round it was
+    group_size: pydantic.conint(ge=2, strict=True)
+
+
 class RunSchema(pydantic.BaseModel):
     metrics: Dict[BytesWithPublicKey, PeerMetrics]
     auth: Dict[BytesWithPublicKey, AccessTokenRecord]
+    rounds: Dict[BytesWithPublicKey, RoundRecord]
 
 
 class CountingSchemaValidator(SchemaValidator):
@@ -104,3 +112,35 @@ def fetch(dht: hivemind.DHT, run_id: str, *, timeout_s: float = 10.0) -> list[Pe
             logger.warning("dropped a malformed metrics record: %s", e)
     return records
 
+
+
+def rounds_key(run_id: str) -> str:
+    return f"{run_id}_rounds"
+
+
+def publish_round(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, *, epoch: int, group_size: int,
+                  expiration_s: float = 120.0) -> None:
+    """Announce (in the background) that this peer finished epoch ``epoch``'s gradient round."""
+    record = RoundRecord(epoch=epoch, group_size=group_size)
+    dht.store(key=rounds_key(run_id), subkey=signer.local_public_key, value=record.dict(),
+              expiration_time=get_dht_time() + expiration_s, return_future=True)
+
+
+def largest_finished_group(dht: hivemind.DHT, run_id: str, epoch: int, *, timeout_s: float = 2.0) -> int:
+    """The largest group any peer reports having finished epoch ``epoch``'s round in; 0 if none."""
+    try:
+        found = dht.get(rounds_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+    except Exception as e:  # a slow DHT: no evidence this time
+        logger.debug("could not read finished rounds: %r", e)
+        return 0
+    if found is None or not isinstance(found.value, dict):
+        return 0
+    sizes = [0]
+    for entry in found.value.values():
+        try:
+            record = RoundRecord.parse_obj(entry.value)
+        except pydantic.ValidationError:
+            continue
+        if record.epoch == epoch:
+            sizes.append(record.group_size)
+    return max(sizes)

@@ -18,10 +18,12 @@ import bitsandbytes as bnb
 import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.grad_averager import GradientAverager
 
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.auth import AccessGuard, guarded
+from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.robust import RobustOptimizerMixin, make_aggregator
@@ -61,9 +63,16 @@ class StateUnavailable(RuntimeError):
 class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     """hivemind.Optimizer that remembers how many peers each gradient-averaging round had, whose
     averagers aggregate with the run's rule (``crowdtrain.swarm.robust``) and refuse peers without a
-    valid access token (when given an ``access_guard``)."""
+    valid access token (when given an ``access_guard``).
 
-    def __init__(self, *args, access_guard: AccessGuard | None = None, give_up_s: float = 600.0, **kwargs):
+    A peer left out of a round (the others formed a group without it) would, in hivemind, step
+    with its own gradients and train on a diverged model until the next state averaging. Here
+    peers that finish a round in a group say so in a signed DHT record (``RoundRecord``); a peer
+    still looking for that round's group stops waiting, and downloads the group's state at its
+    next step (or before it leaves)."""
+
+    def __init__(self, *args, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
+                 signer: RSASignatureValidator | None = None, **kwargs):
         self.access_guard = access_guard
         if access_guard is not None:
             kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
@@ -73,12 +82,19 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         self._behind_since: float | None = None
         self._rounds_lock = threading.Lock()
         self.rounds: list[dict] = []  # {"epoch", "group_size", "swarm_peers"} per round
+        self.signer = signer
+        self._lost_round: int | None = None  # an epoch whose round went on without this peer
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        # With the delayed update this runs in the background, after the epoch was incremented.
+        epoch = self.local_epoch - 1 if self.delay_grad_averaging else self.local_epoch
         swarm_peers = self.tracker.global_progress.num_peers
-        epoch = self.local_epoch
         triggered_unix = time.time()
-        allreduce_unix = _wait_for_allreduce_start(maybe_step_control, self.averaging_timeout)
+        allreduce_unix, left_out = self._wait_for_allreduce_start(maybe_step_control, epoch)
+        if left_out:
+            logger.warning("the swarm finished epoch %d's round without this peer; it will download their state",
+                           epoch)
+            maybe_step_control.cancel()
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         group_size = 1
         if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.cancelled():
@@ -86,12 +102,45 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                 group_size = len(maybe_step_control.result(0))
             except BaseException:  # the round failed: this peer used its local gradients
                 group_size = 1
+        if group_size >= 2 and self.signer is not None:
+            swarm_metrics.publish_round(self.dht, self.run_id, self.signer, epoch=epoch, group_size=group_size)
+        elif swarm_peers >= 2 and (left_out or self._others_finished(epoch)):
+            # Others averaged without us: our step used our gradients alone, and state averaging
+            # would not bring us back for several epochs. Download their state at the next step.
+            self._lost_round = epoch
         with self._rounds_lock:
             # Wall-clock times (comparable across peers on one machine): the round was triggered
             # (this peer reached the target batch), its all-reduce began exchanging tensors, it ended.
             self.rounds.append({"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers,
                                 "triggered_unix": triggered_unix, "allreduce_unix": allreduce_unix,
-                                "done_unix": time.time()})
+                                "done_unix": time.time(), "left_out": self._lost_round == epoch})
+
+    def _others_finished(self, epoch: int) -> bool:
+        return self.signer is not None and swarm_metrics.largest_finished_group(self.dht, self.run_id, epoch) >= 2
+
+    def _wait_for_allreduce_start(self, control, epoch: int) -> tuple[float | None, bool]:
+        """When the averager (a child process) began exchanging tensors: its stage lives in shared
+        memory, so poll it until the all-reduce starts or the step ends (None if it never started).
+        Also whether this peer was left out: still looking for a group a matchmaking time after
+        the trigger, while another peer reports having finished this round in a group. Waiting
+        out the averaging timeout then only lets the others leave before we download their state."""
+        if control is None:
+            return None, False
+        started = time.monotonic()
+        deadline = started + self.averaging_timeout
+        next_check = started + self.matchmaking_time
+        while not control.done() and time.monotonic() < deadline:
+            if control.stage == AveragingStage.RUNNING_ALLREDUCE:
+                return time.time(), False
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 1.0
+                if control.stage == AveragingStage.LOOKING_FOR_GROUP and self._others_finished(epoch):
+                    return None, not control.done()
+            time.sleep(0.005)
+        return None, False
+
+    def _should_load_state_from_peers(self) -> bool:
+        return self._lost_round is not None or super()._should_load_state_from_peers()
 
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind's catch-up, bounded and without its second download (see below). hivemind
@@ -100,10 +149,21 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         the run is over) did that for good. Here a download that keeps failing, or a peer that
         stays behind after downloading, gives up after ``give_up_s`` with
         :class:`StateUnavailable`, which ``crowdtrain join`` reports."""
-        if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self._tag_along_with_zero_weight(self.scheduled_grads)  # as hivemind: do not stall the round
+        control = self.scheduled_grads
+        if control is not None and not control.done():
+            if not control.triggered and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+                # A round scheduled ahead that no group waits on yet: hivemind tags along, which
+                # blocks here until that round ends, maybe an epoch away (seen: 25 s).
+                control.cancel()
+            else:
+                self._tag_along_with_zero_weight(control)  # as hivemind: do not stall the group
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
+        lost, self._lost_round = self._lost_round, None
+        if lost is not None and not self.client_mode:
+            # Our parameters took a step the swarm did not: stop offering them, or another peer
+            # left out of the same round could download them instead of the group's.
+            self.state_averager.allow_state_sharing = False
         started = time.monotonic()
         with self.tracker.pause_updates():
             while True:
@@ -138,6 +198,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                 self._behind_since = None
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
             if not self.client_mode:
+                self.state_averager.allow_state_sharing = True
                 self.state_averager.state_sharing_priority = self.local_epoch
             if self.use_gradient_averaging:
                 self.grad_averager.reset_accumulated_grads_()
@@ -149,8 +210,18 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             return self.rounds[-1] if self.rounds else None
 
     def finish_pending_updates(self) -> None:
-        """Apply the delayed optimizer step, if one is running in the background."""
+        """Before leaving: apply the delayed optimizer step, if one is running in the background.
+        If the last round missed a peer, stay a little longer to serve our state: the peer left
+        out downloads it (see ``_wait_for_allreduce_start``), and once the last members of the
+        round are gone it could only keep its own diverged parameters."""
         self.state_averager.step(wait_for_delayed_updates=True)
+        if self._lost_round is not None:  # our last step went without the swarm: end on theirs
+            self.load_state_from_peers()
+        last = self.last_round()
+        if last is not None and last["group_size"] >= 2 and last["group_size"] < last["swarm_peers"]:
+            logger.info("the last round missed %d peer(s); serving the state for %.0fs before leaving",
+                        last["swarm_peers"] - last["group_size"], 2 * self.matchmaking_time)
+            time.sleep(2 * self.matchmaking_time)
 
 
 def swarm_epoch_now(tracker) -> int:
@@ -167,25 +238,13 @@ def swarm_epoch_now(tracker) -> int:
     return max([tracker.global_epoch, *epochs])
 
 
-def _wait_for_allreduce_start(control, timeout_s: float) -> float | None:
-    """When the averager (a child process) began exchanging tensors: its stage lives in shared
-    memory, so poll it until the all-reduce starts or the step ends. None if it never started."""
-    if control is None:
-        return None
-    deadline = time.monotonic() + timeout_s
-    while not control.done() and time.monotonic() < deadline:
-        if control.stage == AveragingStage.RUNNING_ALLREDUCE:
-            return time.time()
-        time.sleep(0.005)
-    return None
-
-
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
                     client_mode: bool = False, auxiliary: bool = False, verbose: bool = False, attack=None,
-                    access_guard: AccessGuard | None = None):
+                    access_guard: AccessGuard | None = None, signer: RSASignatureValidator | None = None):
     """The run's optimizer for its ``mode``: SwarmOptimizer (sync) or DiLoCoOptimizer (diloco).
 
-    ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends.
+    ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends. ``signer``
+    (this peer's, from ``crowdtrain.swarm.metrics.make_validators``) signs its round records.
     """
     if config.mode == "diloco":
         from crowdtrain.swarm.diloco import DiLoCoOptimizer
@@ -194,7 +253,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
                                attack=attack, verbose=verbose, access_guard=access_guard)
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
-        access_guard=access_guard, give_up_s=config.load_state_give_up_s,
+        access_guard=access_guard, give_up_s=config.load_state_give_up_s, signer=signer,
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
         optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),

@@ -199,7 +199,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     with children_ignore_sigint():
         optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
                                     client_mode=config.client_mode, verbose=config.verbose,
-                                    access_guard=access.guard, attack=attack_from_fault(config.fault))
+                                    access_guard=access.guard, attack=attack_from_fault(config.fault),
+                                    signer=signer)
     if stop is None:
         # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
         # when they start (and never restore it), which would make Ctrl-C do nothing.
