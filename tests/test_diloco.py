@@ -57,7 +57,8 @@ def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_
 
     # The newcomer downloaded the current state (epoch and outer momentum) and took part.
     newcomer = summaries["newcomer"]
-    assert newcomer["joined_epoch"] >= 1 and newcomer["samples"] > 0
+    assert newcomer["joined_epoch"] >= 1 and newcomer["samples"] > 0 and not newcomer.get("state_download_skipped")
+    assert all(s.get("state_download_skipped") for s in summaries.values() if s["joined_epoch"] == 0), summaries
     shared = [r["epoch"] for r in newcomer["rounds"] if r["group_size"] >= 3 and not r["diverged"]]
     assert shared and all(by_epoch[e]["newcomer"] == by_epoch[e]["a"] for e in shared if "a" in by_epoch[e])
 
@@ -155,3 +156,25 @@ def test_centered_clip_needs_groups_of_three():
     from crowdtrain.swarm.config import SwarmConfig
 
     assert SwarmConfig().min_group_size == 2 and SwarmConfig(aggregation="centered_clip").min_group_size == 3
+
+
+def test_a_group_mixing_two_branches_of_a_split_keeps_the_one_the_swarm_heals_to():
+    """After a split, branch X (made by a group of 3) and branch Y (a group of 2) meet in one
+    group with two Y peers and one X peer. Every peer must crown X, as _heal_split and newcomers
+    do: a head count in this group would crown Y while the rest of the swarm heals to X."""
+    from types import SimpleNamespace
+
+    from crowdtrain.swarm.diloco import DiLoCoOptimizer
+
+    x = {"epoch": 7, "group": 3, "base": "1" * 16}
+    y = {"epoch": 7, "group": 2, "base": "f" * 16}
+    gathered = {"p1": x, "p2": y, "p3": y, "evil": {"epoch": "7", "group": 999, "base": "not a digest"}}
+    verdicts = {}
+    for me in ("p1", "p2", "p3"):
+        opt = SimpleNamespace(averager=SimpleNamespace(peer_id=me), config=SimpleNamespace(min_group_size=2))
+        verdicts[me] = DiLoCoOptimizer._diverged(opt, gathered, swarm_peers=5, missing=0)
+    assert verdicts == {"p1": False, "p2": True, "p3": True}
+    # One base (the malformed entry aside): nobody diverged.
+    same = {"p1": x, "p2": dict(x), "evil": {"epoch": 7}}
+    opt = SimpleNamespace(averager=SimpleNamespace(peer_id="p1"), config=SimpleNamespace(min_group_size=2))
+    assert DiLoCoOptimizer._diverged(opt, same, swarm_peers=3, missing=0) is False

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
-from collections import Counter
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -104,6 +104,7 @@ class DiLoCoAverager(RobustAveragerMixin, DecentralizedAverager):
         self.optimizer = outer_optimizer
         self.global_params = [p for group in outer_optimizer.param_groups for p in group["params"]]
         self.local_epoch = 0
+        self.base_group = 0  # size of the group whose sync made the global parameters (0: unknown)
         self.state_lock = threading.Lock()  # the outer step vs a newcomer reading the state
         buffers = [torch.zeros_like(p.data) for p in self.global_params]
         super().__init__(averaged_tensors=buffers, dht=dht, prefix=prefix, state_compression=NoCompression(),
@@ -117,7 +118,8 @@ class DiLoCoAverager(RobustAveragerMixin, DecentralizedAverager):
         """Runs in this (host) process when a peer downloads the state."""
         with self.state_lock:
             tensors = [p.detach().clone() for p in self.global_params] + [m.clone() for m in self.momentum_buffers()]
-            metadata = {"kind": "diloco", "epoch": int(self.local_epoch), "params": len(self.global_params)}
+            metadata = {"kind": "diloco", "epoch": int(self.local_epoch), "params": len(self.global_params),
+                        "group": int(self.base_group)}
         return metadata, tensors, None
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None,
@@ -146,6 +148,8 @@ class DiLoCoAverager(RobustAveragerMixin, DecentralizedAverager):
             for target, source in zip(self.global_params + momentum, tensors):
                 target.copy_(source)
             self.local_epoch = int(metadata["epoch"])
+            group = metadata.get("group", 0)
+            self.base_group = group if isinstance(group, int) and 0 <= group < 1000 else 0
         return self.local_epoch
 
     def _update_scheduler(self):
@@ -272,7 +276,7 @@ class DiLoCoOptimizer:
             self._check_sync = True
             if lost_branch and not self.client_mode:
                 self.averager.allow_state_sharing = True
-            self._share_state(group_size=0)
+            self._share_state()
 
     def last_round(self) -> dict | None:
         with self._rounds_lock:
@@ -333,7 +337,8 @@ class DiLoCoOptimizer:
             self.scheduled = self._begin_matchmaking()
 
     def _begin_matchmaking(self):
-        gather = {"epoch": self.local_epoch, "base": params_digest(self.global_params)}
+        gather = {"epoch": self.local_epoch, "group": self.averager.base_group,
+                  "base": params_digest(self.global_params)}
         return self.averager.step(gather=gather, wait=False, require_trigger=True,
                                   timeout=self.config.averaging_timeout_s)
 
@@ -357,6 +362,7 @@ class DiLoCoOptimizer:
                 for g in self.global_params:
                     g.grad = None
                 self.averager.local_epoch = new_epoch = max(epoch + 1, self.tracker.global_epoch)
+                self.averager.base_group = group_size
             self._restart_from_global()
             self.tracker.update_epoch(new_epoch)
             self.samples_in_round = 0
@@ -371,7 +377,7 @@ class DiLoCoOptimizer:
                     if self.rounds and self.rounds[-1]["epoch"] == epoch - 1:
                         self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
             if not diverged:
-                self._share_state(group_size)
+                self._share_state()
             # A group smaller than the swarm: another group may have stepped from other pseudo-
             # gradients at the same time. Compare notes once their rounds are over too.
             if not diverged and group_size < swarm_peers:
@@ -426,23 +432,30 @@ class DiLoCoOptimizer:
     def _diverged(self, gathered: dict | None, swarm_peers: int, missing: int) -> bool:
         """True when this peer's global parameters may differ from the swarm's: its round failed
         while others train; a groupmate failed to return its slice (we kept our own there); or its
-        group started from different global parameters and ours was not the majority's (ties go
-        to the higher epoch, then the larger digest)."""
+        group started from different global parameters and ours was not the canonical one: the
+        newest epoch, then the one made by the largest group, then the larger digest, the order
+        ``state_priority`` gives (a groupmate's malformed entry counts for nothing)."""
         self._minority_base = False
         if not gathered:
             return swarm_peers >= self.config.min_group_size
         if missing:
             logger.warning("%d averaged values never arrived (a groupmate failed); downloading the state", missing)
             return True
-        bases = {peer: (int(d["epoch"]), str(d["base"])) for peer, d in gathered.items() if isinstance(d, dict)}
-        counts = Counter(bases.values())
-        if len(counts) <= 1:
+        bases = {}
+        for peer, d in gathered.items():
+            if (isinstance(d, dict) and type(d.get("epoch")) is int and type(d.get("group", 0)) is int
+                    and isinstance(d.get("base"), str) and re.fullmatch(r"[0-9a-f]{16}", d["base"])):
+                bases[peer] = (d["epoch"], min(max(d.get("group", 0), 0), 999), d["base"])
+        if len(set(bases.values())) <= 1:
             return False
-        majority = max(counts, key=lambda key: (counts[key], key))
+        # The rule _heal_split and newcomers use (state_priority), not a head count in this group:
+        # after a split, a group mixing the branches would otherwise crown whichever branch has
+        # more members *here*, while the rest of the swarm heals to the other one.
+        canonical = max(set(bases.values()), key=lambda b: (state_priority(*b), b))
         mine = bases.get(self.averager.peer_id)
-        logger.warning("the group started from %d different global states; %s", len(counts),
-                       "keeping ours" if mine == majority else "downloading the majority's")
-        self._minority_base = mine != majority
+        logger.warning("the group started from %d different global states; %s", len(set(bases.values())),
+                       "keeping ours" if mine == canonical else "downloading the canonical one")
+        self._minority_base = mine != canonical
         return self._minority_base
 
     def _restart_from_global(self) -> None:
@@ -450,10 +463,12 @@ class DiLoCoOptimizer:
             for p, g in zip(self.params, self.global_params):
                 p.copy_(g.to(p.device, p.dtype))
 
-    def _share_state(self, group_size: int) -> None:
+    def _state_priority(self) -> float:
+        return state_priority(self.local_epoch, self.averager.base_group, params_digest(self.global_params))
+
+    def _share_state(self) -> None:
         if not self.client_mode:
-            self.averager.state_sharing_priority = state_priority(self.local_epoch, group_size,
-                                                                  params_digest(self.global_params))
+            self.averager.state_sharing_priority = self._state_priority()
 
     def _heal_split(self) -> bool:
         """Where the swarm split into several groups at the last sync, every group stepped to the
@@ -462,10 +477,8 @@ class DiLoCoOptimizer:
         download its state and the swarm is one model again. True if this peer downloaded it."""
         self._consensus_check_at = None
         epoch = self.local_epoch
-        with self._rounds_lock:
-            group_size = self.rounds[-1]["group_size"] if self.rounds else 0
         # Computed, not read from the averager: a client-mode peer shares no state but ranks alike.
-        mine = state_priority(epoch, group_size, params_digest(self.global_params))
+        mine = self._state_priority()
         try:
             found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
         except Exception as e:  # the DHT is busy: the next round's checks catch a split too
