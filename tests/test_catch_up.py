@@ -3,11 +3,13 @@
 left out of a round stops waiting for it and takes the group's state."""
 
 import contextlib
+import threading
 import time
 from types import SimpleNamespace
 
 import hivemind
 import pytest
+import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
@@ -179,3 +181,125 @@ def test_round_records_are_signed_and_validated():
     finally:
         peer.shutdown()
         dht.shutdown()
+
+
+def test_the_runs_initial_model_is_the_same_bits_in_every_process():
+    """Peers that join before the first step skip the download only because of this."""
+    import subprocess
+    import sys
+
+    from crowdtrain.model import get_preset
+    from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
+
+    seed = stable_seed("some-run")
+    torch_state = torch.random.get_rng_state()
+    here = model_digest(build_initial_model(DalleTask(get_preset("tiny")), seed))
+    assert torch.equal(torch.random.get_rng_state(), torch_state), "the global RNG is left alone"
+    code = ("from crowdtrain.model import get_preset; from crowdtrain.train.task import *; import torch;"
+            "torch.rand(3);"  # another RNG history before the build
+            f"print(model_digest(build_initial_model(DalleTask(get_preset('tiny')), {seed})))")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert here == there
+    other = model_digest(build_initial_model(DalleTask(get_preset("tiny")), stable_seed("another-run")))
+    assert other != here
+
+
+class _CatchingUpDHT(_DHT):
+    """A laggard's progress record that reaches our epoch after ``catch_up_after`` reads."""
+
+    def __init__(self, catch_up_after: int | None):
+        super().__init__([6, 5])
+        self.reads, self.catch_up_after = 0, catch_up_after
+
+    def get(self, key, latest):
+        self.reads += 1
+        if self.catch_up_after is not None and self.reads > self.catch_up_after:
+            self.epochs = [6, 6]
+        return super().get(key, latest)
+
+
+@pytest.mark.parametrize("catch_up_after", [3, None])
+def test_after_a_round_that_missed_a_peer_a_leaving_peer_serves_until_it_caught_up(catch_up_after):
+    # The left-out peer downloads our state; the coordinator's copy may be epochs old, so we stay
+    # until its record shows our epoch, or at most min(averaging timeout, 20 s) for a dead peer.
+    dht = _CatchingUpDHT(catch_up_after)
+    tracker = SimpleNamespace(dht=dht, training_progress_key="run_progress")
+    opt = SimpleNamespace(matchmaking_time=0.1, averaging_timeout=4.0, tracker=tracker, local_epoch=6,
+                          dht=SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: b"me")))
+    started = time.monotonic()
+    SwarmOptimizer._serve_laggards(opt, missed=1)
+    waited = time.monotonic() - started
+    if catch_up_after is not None:
+        assert dht.reads == catch_up_after + 1 and 0.2 <= waited < 3.5, (dht.reads, waited)
+    else:
+        assert 4.0 <= waited < 5.0, waited
+
+
+def test_a_peer_left_out_of_a_round_stops_offering_its_state_at_once():
+    # Between the round it missed and its download, its parameters take a step the swarm did not,
+    # at the swarm's epoch: offered, the coordinator's checkpointer or a newcomer would take them.
+    averager = SimpleNamespace(allow_state_sharing=True)
+    opt = SimpleNamespace(client_mode=False, state_averager=averager)
+    SwarmOptimizer._stop_sharing_state(opt)
+    assert averager.allow_state_sharing is False
+
+
+def test_a_peer_mid_update_never_serves_last_epochs_parameters_as_this_epochs():
+    # The delayed update: the epoch is incremented at once, the step runs in the background. A
+    # download in between used to get the old parameters labelled with the new epoch, and the
+    # peer that took them stayed one update behind the swarm.
+    from crowdtrain.swarm.state import ConsistentStateAverager
+
+    dht = hivemind.DHT(start=True)
+    param = torch.nn.Parameter(torch.ones(4))
+    averager = ConsistentStateAverager(dht=dht, prefix="run_state_averager", params=[param],
+                                       optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+                                       offload_optimizer=True, custom_gradients=True, state_wait_s=0.5, start=True)
+    try:
+        assert ConsistentStateAverager.__name__ == "TrainingStateAverager", "RPC names follow the class name"
+        opt_param = averager.optimizer.param_groups[0]["params"][0]
+        opt_param.grad = torch.ones(4)
+        release = threading.Event()
+        averager.step(increment_epoch=True, optimizer_step=True, delay_optimizer_step=True,
+                      wait_for_trigger=lambda: release.wait(10))
+        assert averager.local_epoch == 1 and averager.update_in_flight()
+        metadata, tensors, _ = averager.get_current_state()  # waits 0.5 s, then labels honestly
+        assert metadata["epoch"] == 0 and torch.equal(tensors[0], torch.ones(4))
+        # Asked while the update runs, answered once it is done: the new parameters, the new epoch.
+        answer = {}
+        asker = threading.Thread(target=lambda: answer.update(state=averager.get_current_state()))
+        averager.state_wait_s = 10.0
+        asker.start()
+        time.sleep(0.2)
+        release.set()
+        asker.join(10)
+        metadata, tensors, _ = answer["state"]
+        assert metadata["epoch"] == 1 and torch.allclose(tensors[0], torch.full((4,), 0.5))
+        assert not averager.update_in_flight()
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
+    # It leaves right after that step: a state round it joins would lose it mid-way and leave the
+    # rest of its group with a partial average of parameters.
+    seen = []
+    monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch",
+                        lambda self, grad_scaler: seen.append(self.average_state_every % 3 == 0))
+    monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging", lambda self: seen.append("scheduled"))
+    opt = SwarmOptimizer.__new__(SwarmOptimizer)
+    opt.average_state_every, opt.final_epoch = 3, 6
+    opt.tracker, opt.state_averager = SimpleNamespace(global_epoch=0), SimpleNamespace(local_epoch=4)
+    opt._update_global_epoch(None)
+    opt._maybe_schedule_state_averaging()
+    assert seen == [True, "scheduled"], "epoch 4 -> 5: as hivemind does"
+    seen.clear()
+    opt.state_averager.local_epoch = 5
+    opt._update_global_epoch(None)
+    opt._maybe_schedule_state_averaging()
+    assert seen == [False] and opt.average_state_every == 3, "epoch 5 -> 6, the last: no state round"
+    seen.clear()
+    opt.final_epoch = None  # no --max-epochs: every step as hivemind does
+    opt._update_global_epoch(None)
+    assert seen == [True]

@@ -34,6 +34,40 @@ def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():
     assert wire_bytes([2**20]) / (4 * 2**20) < 0.26 and wire_bytes([1000]) == 2000
 
 
+def test_a_downloaded_lamb8bit_state_steps_exactly_as_the_original():
+    """A newcomer's state download: parameters compressed, optimizer statistics exact. Sent as
+    fp16, the 8-bit LAMB's second-moment scales (~1e-8) became zero and the next step moved a few
+    weights by m / eps (0.1 -> 1.7 in a swarm test)."""
+    from hivemind.compression import TensorRole
+    from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
+
+    torch.manual_seed(0)
+    config = SwarmConfig()
+    policy = PaperCompression(threshold=2**16)
+    source, copy = (torch.nn.Parameter(torch.randn(512, 64) * 0.05) for _ in range(2))
+    with torch.no_grad():
+        copy.copy_(source)
+    original, downloaded = make_lamb([source], config), make_lamb([copy], config)
+    initialize_optimizer_state_(downloaded)  # as hivemind does, so the state has a structure to load into
+    for _ in range(3):
+        source.grad = torch.randn_like(source) * 1e-4
+        original.step()
+    meta, tensors = dump_optimizer_state(original)
+    assert min(t.abs().max().item() for t in tensors if t.is_floating_point()) < 1e-7, "scales below fp16's range"
+    sent = []
+    for t in tensors:
+        info = CompressionInfo.from_tensor(t, role=TensorRole.OPTIMIZER)
+        sent.append(policy.extract(policy.compress(t, info)))
+    load_optimizer_state(downloaded, meta, sent)
+    with torch.no_grad():
+        copy.copy_(source)
+    grad = torch.randn_like(source) * 1e-4
+    source.grad, copy.grad = grad, grad.clone()
+    original.step()
+    downloaded.step()
+    assert torch.equal(copy, source)
+
+
 def test_lamb8bit_state_survives_flattening_for_checkpoints():
     torch.manual_seed(0)
     model = DalleTransformer(get_preset("tiny"))

@@ -36,8 +36,9 @@ def initial_loss() -> float:
 def test_three_unequal_peers_train_one_model(swarm_factory):
     # Epochs of about 10 s (several matchmaking windows and tracker refreshes), as in a real run
     # where an epoch holds minutes of compute: shorter ones measure start-up races, not averaging.
-    # State averaging every 3 epochs: the peers leave right after one, where the issue asks that
-    # their parameters agree (between state rounds, a round that missed a peer lets them drift).
+    # State averaging every 3 epochs (at epoch 3; the step into epoch 6, where the peers leave,
+    # skips it). Between state rounds, peers agree because every peer that missed a round or got
+    # part of its average only downloads the state of those that averaged in full.
     swarm = swarm_factory(swarm={"target_batch_size": 768, "average_state_every": 3})
     swarm.start_coordinator()
     epochs = 6
@@ -50,21 +51,24 @@ def test_three_unequal_peers_train_one_model(swarm_factory):
     summaries = {n: swarm.summary(n) for n in "abc"}
     finals = {n: s["final_epoch"] for n, s in summaries.items()}
     assert min(finals.values()) >= epochs and max(finals.values()) - min(finals.values()) <= 1, finals
+    # Peers that joined before the first step built the run's seeded initial model and skipped
+    # the download (the digest of the model as built matched the coordinator's).
+    assert all(s.get("state_download_skipped") for s in summaries.values() if s["joined_epoch"] == 0), summaries
     # b's NaN gradients were dropped, never sent: the others' parameters stay finite and agree.
     assert summaries["b"]["dropped_batches"] >= 3
     # Everyone contributed, the big batch most.
     assert all(s["samples"] > 0 for s in summaries.values())
     assert summaries["a"]["samples"] > summaries["c"]["samples"]
-    # Parameters agree after state averaging (fp16 on the wire for tiny tensors), the loss went
-    # down. Peers leave as soon as they see the last epoch, so one may still apply the final
-    # (delayed) update that another already has: they agree within about one optimizer update
-    # (random models differ by ~0.3 here; seen: 5e-4 to 0.05, and 0.062 once when the last state
-    # round was an epoch before the end, after rounds that had missed a peer).
+    # Parameters agree within compression error (fp16 on the wire for tiny tensors, seen: 0 to
+    # 1e-3), the loss went down. One optimizer update here moves weights by ~0.03 and random
+    # models differ by ~0.3: a peer that kept its own gradients in a round (left out, or given part
+    # of the average), or took a newcomer's state downloaded mid-update, ends 0.03-0.15 away
+    # (seen before those were fixed; and 1.7 when fp16 zeroed the 8-bit LAMB's scales).
     params = {n: load_file(str(swarm.tmp / f"{n}.safetensors")) for n in "abc"}
     for key, ref in params["a"].items():
         scale = max(1.0, ref.abs().max().item())
         for other in "bc":
-            assert (params[other][key] - ref).abs().max().item() < 6e-2 * scale, (key, other)
+            assert (params[other][key] - ref).abs().max().item() < 2e-2 * scale, (key, other)
     start = initial_loss()
     assert eval_loss(swarm.tmp / "a.safetensors") < start - 0.15, (start, eval_loss(swarm.tmp / "a.safetensors"))
     # Peers averaged with others in most rounds. How many rounds had *every* live peer is
@@ -153,6 +157,7 @@ def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
     assert max(finals) - min(finals) <= 1 and min(finals) >= at_restart + 2, finals
     newcomer = summaries["newcomer"]
     assert newcomer["joined_epoch"] >= killed_at, "the newcomer downloaded the current state"
+    assert not newcomer.get("state_download_skipped")
     assert newcomer["samples"] > 0 and "first_epoch_s" in newcomer
 
 

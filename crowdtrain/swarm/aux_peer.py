@@ -38,7 +38,7 @@ from crowdtrain.model.config import ModelConfig
 from crowdtrain.model.info import architecture_fingerprint
 from crowdtrain.coordinator.db import Store
 from crowdtrain.coordinator.tokens import CoordinatorKey
-from crowdtrain.model.transformer import DalleTransformer
+from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 from crowdtrain.optim import param_groups
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.auth import AccessGuard, LocalTokenSource, SwarmAuthorizer, TokenKeeper, guarded, load_identity
@@ -92,7 +92,11 @@ class AuxPeer:
         self.dht = self._start_dht(spec, validators, initial_peers, authorizer)
         self.keeper = TokenKeeper(self.dht, self.swarm.run_id, self.signer, self.token_source,
                                   lifetime_s=self.auth["token_lifetime_s"]).start()
-        self.model = DalleTransformer(self.model_config)
+        self.seed = stable_seed(self.swarm.run_id)
+        self.model = build_initial_model(DalleTask(self.model_config), self.seed)
+        # As built, before the optimizer's initializing step (hivemind runs one with zero gradients;
+        # a volunteer's offloaded optimizer applies it to its own copy, not to the model).
+        self.initial_digest = model_digest(self.model)
         compression = PaperCompression(self.swarm.compression_threshold)
         if self.swarm.mode == "diloco":  # keeps the global parameters and the outer momentum
             from crowdtrain.swarm.diloco import DiLoCoAverager
@@ -158,6 +162,8 @@ class AuxPeer:
             "coordinator_peer_id": str(self.dht.peer_id),
             "auth": {k: self.auth[k] for k in ("mode", "coordinator_public_key", "token_url", "token_lifetime_s")},
         }
+        if self.last_checkpoint_epoch == 0:  # a run that resumed from a checkpoint has moved on
+            join["initial_model"] = {"seed": self.seed, "digest": self.initial_digest}
         write_json_atomic(self.run_dir / "run.json", join)
         logger.info("DHT up at %s", maddrs)
 

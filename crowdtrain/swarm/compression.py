@@ -2,14 +2,18 @@
 
 Float tensors of ``threshold`` (2^16) elements or more are sent as 8-bit uniform quantization,
 smaller float tensors as fp16; integer tensors (the 8-bit optimizer's codes and step counters)
-are sent as they are, since quantizing them would corrupt them. hivemind serializes tensors
-into protobuf messages: data, never pickled code.
+are sent as they are, since quantizing them would corrupt them. Optimizer statistics (in a state
+download) are sent exactly too: the 8-bit LAMB's per-block scales of its second moment are around
+1e-8, below fp16's range, and a newcomer that got them as fp16 read its second moment as zero and
+took steps of ``m / eps`` in a few weights (seen: weights of 0.1 jumping to 1.7 in one step). They
+are small beside the model (one float per 256 one-byte codes), so exactness costs little.
+hivemind serializes tensors into protobuf messages: data, never pickled code.
 """
 
 from __future__ import annotations
 
 from hivemind.compression import (CompressionBase, CompressionInfo, Float16Compression, NoCompression,
-                                  Uniform8BitQuantization)
+                                  TensorRole, Uniform8BitQuantization)
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 
 
@@ -19,7 +23,7 @@ class PaperCompression(AdaptiveCompressionBase):
         self.small, self.large, self.exact = Float16Compression(), Uniform8BitQuantization(), NoCompression()
 
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:
-        if not info.descriptor.dtype.is_floating_point:
+        if not info.descriptor.dtype.is_floating_point or info.role == TensorRole.OPTIMIZER:
             return self.exact
         return self.large if info.descriptor.numel() >= self.threshold else self.small
 

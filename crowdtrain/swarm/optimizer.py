@@ -56,6 +56,9 @@ def make_scheduler(optimizer, config: SwarmConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+_NEVER = 2**62  # an ``average_state_every`` that no epoch reaches
+
+
 class StateUnavailable(RuntimeError):
     """No peer could serve the swarm's current state for a long time: the run is over or unreachable."""
 
@@ -72,7 +75,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     next step (or before it leaves)."""
 
     def __init__(self, *args, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
-                 signer: RSASignatureValidator | None = None, **kwargs):
+                 signer: RSASignatureValidator | None = None, final_epoch: int | None = None, **kwargs):
         self.access_guard = access_guard
         if access_guard is not None:
             kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
@@ -84,6 +87,28 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         self.rounds: list[dict] = []  # {"epoch", "group_size", "swarm_peers"} per round
         self.signer = signer
         self._lost_round: int | None = None  # an epoch whose round went on without this peer
+        self.final_epoch = final_epoch  # this peer leaves on reaching it (``join --max-epochs``)
+
+    def _last_step_ahead(self) -> bool:
+        next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
+        return self.final_epoch is not None and next_epoch >= self.final_epoch
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        # The step into our last epoch does not average state: we leave right after it and could
+        # not stay for the round, and a groupmate that leaves mid-round leaves the others with a
+        # partial average of parameters (seen: a peer ending 0.03 away from the rest). The last
+        # gradient round already gave every peer in it the same update.
+        if not self._last_step_ahead():
+            return super()._update_global_epoch(grad_scaler)
+        every, self.average_state_every = self.average_state_every, _NEVER
+        try:
+            return super()._update_global_epoch(grad_scaler)
+        finally:
+            self.average_state_every = every
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if not self._last_step_ahead():
+            super()._maybe_schedule_state_averaging()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         # With the delayed update this runs in the background, after the epoch was incremented.
@@ -94,29 +119,64 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         if left_out:
             logger.warning("the swarm finished epoch %d's round without this peer; it will download their state",
                            epoch)
+            self._stop_sharing_state()
             maybe_step_control.cancel()
+        missing_before = self._elements_missing()
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        # A groupmate that failed mid-round never sent us its part of the average: we kept our own
+        # gradients there, so our step differs from the group's (by up to one update in those
+        # weights) until the next state round, or for good if we leave first.
+        partial = self._elements_missing() > missing_before
         group_size = 1
         if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.cancelled():
             try:
                 group_size = len(maybe_step_control.result(0))
             except BaseException:  # the round failed: this peer used its local gradients
                 group_size = 1
-        if group_size >= 2 and self.signer is not None:
+        if group_size >= 2 and not partial and self.signer is not None:
             swarm_metrics.publish_round(self.dht, self.run_id, self.signer, epoch=epoch, group_size=group_size)
-        elif swarm_peers >= 2 and (left_out or self._others_finished(epoch)):
-            # Others averaged without us: our step used our gradients alone, and state averaging
-            # would not bring us back for several epochs. Download their state at the next step.
+        elif swarm_peers >= 2 and (left_out or self._others_finished(epoch, wait_s=3.0 if partial else 0.0)):
+            # Others averaged without us (or got the whole average where we did not): our step used
+            # our own gradients, and state averaging would not bring us back for several epochs.
+            # Download their state at the next step. If every groupmate's result was partial,
+            # nobody has a better state to offer: keep ours until the next state round.
+            logger.warning("epoch %d's round %s; downloading the state of peers that averaged in full", epoch,
+                           "went on without this peer" if left_out or group_size < 2 else
+                           "returned part of the average to this peer only")
+            self._stop_sharing_state()
             self._lost_round = epoch
         with self._rounds_lock:
             # Wall-clock times (comparable across peers on one machine): the round was triggered
             # (this peer reached the target batch), its all-reduce began exchanging tensors, it ended.
             self.rounds.append({"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers,
                                 "triggered_unix": triggered_unix, "allreduce_unix": allreduce_unix,
-                                "done_unix": time.time(), "left_out": self._lost_round == epoch})
+                                "done_unix": time.time(), "left_out": self._lost_round == epoch,
+                                "partial": partial})
 
-    def _others_finished(self, epoch: int) -> bool:
-        return self.signer is not None and swarm_metrics.largest_finished_group(self.dht, self.run_id, epoch) >= 2
+    def _stop_sharing_state(self) -> None:
+        """From now until we download the group's state: our parameters are about to take a step the
+        swarm did not, and with our epoch they would outrank the group's state, so the coordinator's
+        checkpointer or a newcomer would download them instead (seen: a checkpoint and a laggard
+        took a left-out peer's diverged parameters)."""
+        if not self.client_mode:
+            self.state_averager.allow_state_sharing = False
+
+    def _elements_missing(self) -> int:
+        stats = getattr(self.grad_averager, "wire_stats", None)
+        return stats.snapshot()["elements_missing"] if stats is not None else 0
+
+    def _others_finished(self, epoch: int, wait_s: float = 0.0) -> bool:
+        """Whether a peer reports having finished epoch ``epoch``'s round in a group, with the whole
+        average; polled for ``wait_s`` (groupmates publish a moment after their round ends)."""
+        if self.signer is None:
+            return False
+        deadline = time.monotonic() + wait_s
+        while True:
+            if swarm_metrics.largest_finished_group(self.dht, self.run_id, epoch) >= 2:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
 
     def _wait_for_allreduce_start(self, control, epoch: int) -> tuple[float | None, bool]:
         """When the averager (a child process) began exchanging tensors: its stage lives in shared
@@ -160,9 +220,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         lost, self._lost_round = self._lost_round, None
-        if lost is not None and not self.client_mode:
-            # Our parameters took a step the swarm did not: stop offering them, or another peer
-            # left out of the same round could download them instead of the group's.
+        if lost is not None and not self.client_mode:  # off since the round (_stop_sharing_state)
             self.state_averager.allow_state_sharing = False
         started = time.monotonic()
         with self.tracker.pause_updates():
@@ -219,9 +277,28 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             self.load_state_from_peers()
         last = self.last_round()
         if last is not None and last["group_size"] >= 2 and last["group_size"] < last["swarm_peers"]:
-            logger.info("the last round missed %d peer(s); serving the state for %.0fs before leaving",
-                        last["swarm_peers"] - last["group_size"], 2 * self.matchmaking_time)
-            time.sleep(2 * self.matchmaking_time)
+            self._serve_laggards(missed=last["swarm_peers"] - last["group_size"])
+
+    def _serve_laggards(self, *, missed: int) -> None:
+        """Stay at least two matchmaking windows, and until no other peer reports an epoch behind
+        ours (at most ``min(averaging_timeout, 20 s)`` more): a peer left out of our last round
+        downloads our state now, and the coordinator's copy may be epochs old. A killed peer's
+        stale record is what the bound is for."""
+        started = time.monotonic()
+        at_least = 2 * self.matchmaking_time
+        at_most = max(at_least, min(self.averaging_timeout, 20.0))
+        logger.info("the last round missed %d peer(s); serving the state for %.0f-%.0fs before leaving",
+                    missed, at_least, at_most)
+        behind = []
+        while True:
+            waited = time.monotonic() - started
+            if waited >= at_least:
+                behind = peers_behind(self.tracker, self.local_epoch, exclude=self.dht.peer_id.to_bytes())
+                if not behind or waited >= at_most:
+                    break
+            time.sleep(0.5)
+        if behind:
+            logger.info("leaving with %d peer(s) still behind epoch %d", len(behind), self.local_epoch)
 
 
 def swarm_epoch_now(tracker) -> int:
@@ -238,13 +315,55 @@ def swarm_epoch_now(tracker) -> int:
     return max([tracker.global_epoch, *epochs])
 
 
+def peers_behind(tracker, epoch: int, *, exclude: bytes = b"") -> list[bytes]:
+    """Peers whose progress record in the DHT reports an epoch below ``epoch`` (empty if the DHT
+    does not answer). A peer that left cleanly has erased its record."""
+    try:
+        found = tracker.dht.get(tracker.training_progress_key, latest=True)
+    except Exception as e:
+        logger.debug("could not read the swarm's progress: %r", e)
+        return []
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    behind = []
+    for entry in entries.values():
+        value = getattr(entry, "value", None)
+        if isinstance(value, dict) and isinstance(value.get("epoch"), int) and value["epoch"] < epoch:
+            peer = value.get("peer_id", b"")
+            if peer != exclude:
+                behind.append(peer)
+    return behind
+
+
+def swarm_at_start(tracker, state_averager) -> bool:
+    """True only if the DHT answers that no peer reports an epoch past 0 and no state of a later
+    epoch is on offer (the coordinator's auxiliary peer offers the last checkpoint's); False when
+    in doubt (the DHT does not answer)."""
+    try:
+        progress = tracker.dht.get(tracker.training_progress_key, latest=True)
+        offers = state_averager.dht.get(f"{state_averager.prefix}.all_averagers", latest=True)
+    except Exception as e:
+        logger.debug("could not read the swarm's progress: %r", e)
+        return False
+    epochs = [tracker.global_epoch]
+    for found, read in ((progress, lambda v: v["epoch"]), (offers, lambda v: int(float(v)))):
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        for entry in entries.values():
+            try:
+                epochs.append(int(read(entry.value)))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return max(epochs) == 0
+
+
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
                     client_mode: bool = False, auxiliary: bool = False, verbose: bool = False, attack=None,
-                    access_guard: AccessGuard | None = None, signer: RSASignatureValidator | None = None):
+                    access_guard: AccessGuard | None = None, signer: RSASignatureValidator | None = None,
+                    final_epoch: int | None = None):
     """The run's optimizer for its ``mode``: SwarmOptimizer (sync) or DiLoCoOptimizer (diloco).
 
     ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends. ``signer``
     (this peer's, from ``crowdtrain.swarm.metrics.make_validators``) signs its round records.
+    ``final_epoch``: the epoch at which this peer will leave (sync mode skips the state round there).
     """
     if config.mode == "diloco":
         from crowdtrain.swarm.diloco import DiLoCoOptimizer
@@ -253,7 +372,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
                                attack=attack, verbose=verbose, access_guard=access_guard)
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
-        access_guard=access_guard, give_up_s=config.load_state_give_up_s, signer=signer,
+        access_guard=access_guard, give_up_s=config.load_state_give_up_s, signer=signer, final_epoch=final_epoch,
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
         optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),

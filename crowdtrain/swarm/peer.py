@@ -158,9 +158,9 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     from crowdtrain.swarm import metrics as swarm_metrics
     from crowdtrain.swarm.attacks import attack_from_fault
     from crowdtrain.swarm.config import SwarmConfig
-    from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
+    from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer, swarm_at_start
     from crowdtrain.train.local import autocast_context
-    from crowdtrain.train.task import DalleTask
+    from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -195,12 +195,16 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     access.start_keeper(dht, signer, on_denied=denied)
     user = access.user or config.user
     maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]
-    model = task.build_model().to(device)
+    initial = info.get("initial_model")  # the run's seeded initial model, while it has not moved on
+    model = build_initial_model(task, int(initial["seed"])) if initial else task.build_model()
+    # Compared as built, on the CPU, before the optimizer's initializing step (as the coordinator does).
+    same_start = initial is not None and model_digest(model) == initial["digest"]
+    model = model.to(device)
     with children_ignore_sigint():
         optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
                                     client_mode=config.client_mode, verbose=config.verbose,
                                     access_guard=access.guard, attack=attack_from_fault(config.fault),
-                                    signer=signer)
+                                    signer=signer, final_epoch=config.max_epochs)
     if stop is None:
         # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
         # when they start (and never restore it), which would make Ctrl-C do nothing.
@@ -210,7 +214,17 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
                "epochs": [], "rounds": []}
     try:
         t_join = time.perf_counter()
-        optimizer.load_state_from_peers()
+        state_keeper = getattr(optimizer, "state_averager", None) or optimizer.averager
+        if initial is not None and not same_start:
+            logger.info("this peer's initial model differs from the run's (another torch version?); "
+                        "downloading the state")
+        if same_start and swarm_at_start(optimizer.tracker, state_keeper):
+            # Nobody has stepped yet and our model is the run's initial one, bit for bit.
+            logger.info("the swarm has not taken a step yet and this peer built the run's initial model "
+                        "(digest %s): nothing to download", initial["digest"])
+            summary_extra["state_download_skipped"] = True
+        else:
+            optimizer.load_state_from_peers()
         joined_epoch = optimizer.local_epoch
         logger.info("peer %s joined run %s at epoch %d (state loaded in %.1fs)", peer_id[-8:], swarm.run_id,
                     joined_epoch, time.perf_counter() - t_join)

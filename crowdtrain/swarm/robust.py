@@ -375,13 +375,13 @@ class RobustOptimizerMixin:
         return super()._make_gradient_averager(factory, **kwargs)
 
     def _make_state_averager(self, **kwargs):
-        # hivemind.Optimizer._make_state_averager, with the robust class.
-        from hivemind.optim.state_averager import TrainingStateAverager
-
+        # hivemind.Optimizer._make_state_averager, with the robust class, serving consistent states.
         from crowdtrain.swarm.auth import guarded
+        from crowdtrain.swarm.state import ConsistentStateAverager
 
-        return robust_averager_class(guarded(TrainingStateAverager, getattr(self, "access_guard", None)))(
-            aggregator=self._aggregator, dht=self.dht, prefix=f"{self.run_id}_state_averager",
+        return robust_averager_class(guarded(ConsistentStateAverager, getattr(self, "access_guard", None)))(
+            aggregator=self._aggregator, state_wait_s=self.averaging_timeout,
+            dht=self.dht, prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time, allreduce_timeout=self.allreduce_timeout,
             shutdown_timeout=self.shutdown_timeout, offload_optimizer=self.offload_optimizer,
             custom_gradients=self.offload_optimizer, status_loglevel=self.status_loglevel,

@@ -45,6 +45,24 @@ def stable_seed(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
 
 
+def build_initial_model(task: Task, seed: int) -> nn.Module:
+    """The run's initial model, the same bits in every process: built on the CPU from ``seed``
+    (``stable_seed(run_id)``), so a peer that joins before the swarm's first step already holds
+    the run's state and need not download it (minutes on a home link)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return task.build_model()
+
+
+def model_digest(model: nn.Module) -> str:
+    """A short digest of every parameter and buffer, by name (any dtype, any device)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 class DalleTask(Task):
     """Text-to-image: captions and VQ codes from shards, or synthetic random codes.
 
