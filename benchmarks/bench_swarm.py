@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from hivemind.compression import CompressionInfo, NoCompression  # noqa: E402
+from hivemind.compression import CompressionInfo, NoCompression, TensorRole  # noqa: E402
 
 from crowdtrain.model import get_preset  # noqa: E402
 from crowdtrain.swarm.compression import PaperCompression  # noqa: E402
@@ -38,8 +38,8 @@ from tests.swarm_harness import Swarm  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 
 
-def serialized_bytes(tensors, compression) -> int:
-    return sum(compression.compress(t, CompressionInfo.from_tensor(t)).ByteSize() for t in tensors)
+def serialized_bytes(tensors, compression, role=TensorRole.UNSPECIFIED) -> int:
+    return sum(compression.compress(t, CompressionInfo.from_tensor(t, role=role)).ByteSize() for t in tensors)
 
 
 def bench_bytes(preset: str) -> dict:
@@ -55,11 +55,14 @@ def bench_bytes(preset: str) -> dict:
         p.grad = g
     optimizer = make_lamb([{"params": params, "weight_decay": 0.0}], SwarmConfig())
     optimizer.step()
-    state = [p.detach() for p in params] + [v for s in optimizer.state.values() for v in s.values()
-                                            if isinstance(v, torch.Tensor)]
+    # A state download: the parameters (adaptive compression) and the optimizer's statistics
+    # (exact: 8-bit codes, and float scales that fp16 would zero).
+    weights = [p.detach() for p in params]
+    statistics = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     paper, fp32 = PaperCompression(), NoCompression()
     g_paper, g_fp32 = serialized_bytes(grads, paper), serialized_bytes(grads, fp32)
-    s_paper, s_fp32 = serialized_bytes(state, paper), serialized_bytes(state, fp32)
+    s_paper = serialized_bytes(weights, paper) + serialized_bytes(statistics, paper, TensorRole.OPTIMIZER)
+    s_fp32 = serialized_bytes(weights + statistics, fp32)
     return {"preset": preset, "params": sum(p.numel() for p in params),
             "grad_round_bytes": g_paper, "grad_round_bytes_fp32": g_fp32, "grad_ratio": g_paper / g_fp32,
             "state_bytes": s_paper, "state_bytes_fp32": s_fp32, "state_ratio": s_paper / s_fp32}

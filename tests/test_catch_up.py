@@ -171,6 +171,8 @@ def test_round_records_are_signed_and_validated():
             time.sleep(0.2)
         assert swarm_metrics.largest_finished_group(dht, "run", 3) == 2
         assert swarm_metrics.largest_finished_group(dht, "run", 4) == 0, "a record names its epoch"
+        assert swarm_metrics.largest_finished_group(dht, "run", 2, or_later=True) == 2
+        assert swarm_metrics.largest_finished_group(dht, "run", 4, or_later=True) == 0
         # Nobody can write a round record in another peer's name, nor a malformed one.
         forged = peer.store(swarm_metrics.rounds_key("run"), subkey=signer.local_public_key,
                             value={"epoch": 3, "group_size": 5}, expiration_time=get_dht_time() + 60)
@@ -303,3 +305,33 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
     opt.final_epoch = None  # no --max-epochs: every step as hivemind does
     opt._update_global_epoch(None)
     assert seen == [True]
+
+
+def _partial(finished_after: int | None, deadline_s: float):
+    asked = []
+    opt = SimpleNamespace(_partial_round=(4, time.monotonic() + deadline_s), _partial_checked=0.0, _lost_round=None,
+                          client_mode=False, state_averager=SimpleNamespace(allow_state_sharing=False),
+                          _others_finished=lambda epoch: asked.append(epoch) or (
+                              finished_after is not None and len(asked) > finished_after))
+    return opt, asked
+
+
+def test_a_peer_given_part_of_the_average_downloads_if_a_groupmate_got_all_of_it():
+    # A groupmate failed mid-round and never returned its part to us: we kept our own gradients
+    # there. The groupmates that got the whole average finish later (their reducers wait out the
+    # failed peer), so the training loop asks at its next steps, at most once a second.
+    opt, asked = _partial(finished_after=1, deadline_s=30.0)
+    SwarmOptimizer._resolve_partial_round(opt, wait=False)
+    SwarmOptimizer._resolve_partial_round(opt, wait=False)  # within the second: not asked again
+    assert asked == [4] and opt._lost_round is None and opt._partial_round is not None
+    SwarmOptimizer._resolve_partial_round(opt, wait=True)  # before leaving: until decided
+    assert asked == [4, 4] and opt._lost_round == 4 and opt._partial_round is None
+    assert opt.state_averager.allow_state_sharing is False, "our partial step is offered to nobody"
+
+
+def test_when_every_groupmate_got_part_of_the_average_a_peer_keeps_its_state_and_offers_it_again():
+    opt, asked = _partial(finished_after=None, deadline_s=1.2)
+    started = time.monotonic()
+    SwarmOptimizer._resolve_partial_round(opt, wait=True)
+    assert 1.2 <= time.monotonic() - started < 3.0 and len(asked) >= 2
+    assert opt._lost_round is None and opt._partial_round is None and opt.state_averager.allow_state_sharing

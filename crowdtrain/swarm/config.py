@@ -5,6 +5,10 @@ Tuning by symptom:
   alive: raise ``matchmaking_time_s`` (3-5 s on one machine or a LAN, 10-15 s over the Internet).
 - Rounds that time out while data is still flowing: raise ``averaging_timeout_s`` to about twice
   the measured all-reduce time (slow uplinks need more).
+- Peers logging "returned part of the average to this peer only" (then downloading the state)
+  or "went on without this peer" every few epochs: groupmates reach the round seconds apart
+  (a slow tracker refresh, a long state round still running): raise ``averaging_timeout_s`` (a
+  groupmate may be silent for a quarter of it) and ``matchmaking_time_s``.
 - Peers spending much of their time waiting on averaging: raise ``target_batch_size`` so each
   epoch holds more compute per round of communication, or use ``mode="diloco"``.
 

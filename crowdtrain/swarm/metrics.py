@@ -119,15 +119,18 @@ def rounds_key(run_id: str) -> str:
 
 
 def publish_round(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, *, epoch: int, group_size: int,
-                  expiration_s: float = 120.0) -> None:
-    """Announce (in the background) that this peer finished epoch ``epoch``'s gradient round."""
+                  expiration_s: float = 120.0):
+    """Announce (in the background) that this peer finished epoch ``epoch``'s gradient round; the
+    store's future (a peer about to leave waits for it, or the record leaves with it)."""
     record = RoundRecord(epoch=epoch, group_size=group_size)
-    dht.store(key=rounds_key(run_id), subkey=signer.local_public_key, value=record.dict(),
-              expiration_time=get_dht_time() + expiration_s, return_future=True)
+    return dht.store(key=rounds_key(run_id), subkey=signer.local_public_key, value=record.dict(),
+                     expiration_time=get_dht_time() + expiration_s, return_future=True)
 
 
-def largest_finished_group(dht: hivemind.DHT, run_id: str, epoch: int, *, timeout_s: float = 2.0) -> int:
-    """The largest group any peer reports having finished epoch ``epoch``'s round in; 0 if none."""
+def largest_finished_group(dht: hivemind.DHT, run_id: str, epoch: int, *, timeout_s: float = 2.0,
+                           or_later: bool = False) -> int:
+    """The largest group any peer reports having finished epoch ``epoch``'s round in (``or_later``:
+    that round or a later one; a peer's record holds only its latest round); 0 if none."""
     try:
         found = dht.get(rounds_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
     except Exception as e:  # a slow DHT: no evidence this time
@@ -141,6 +144,6 @@ def largest_finished_group(dht: hivemind.DHT, run_id: str, epoch: int, *, timeou
             record = RoundRecord.parse_obj(entry.value)
         except pydantic.ValidationError:
             continue
-        if record.epoch == epoch:
+        if record.epoch == epoch or (or_later and record.epoch > epoch):
             sizes.append(record.group_size)
     return max(sizes)

@@ -88,6 +88,11 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         self.signer = signer
         self._lost_round: int | None = None  # an epoch whose round went on without this peer
         self.final_epoch = final_epoch  # this peer leaves on reaching it (``join --max-epochs``)
+        # A round that returned part of the average to us: (epoch, monotonic deadline to learn
+        # whether some groupmate got all of it), and when we last asked the DHT.
+        self._partial_round: tuple[int, float] | None = None
+        self._partial_checked = 0.0
+        self._published = None  # the store of our latest round record
 
     def _last_step_ahead(self) -> bool:
         next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
@@ -134,17 +139,20 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             except BaseException:  # the round failed: this peer used its local gradients
                 group_size = 1
         if group_size >= 2 and not partial and self.signer is not None:
-            swarm_metrics.publish_round(self.dht, self.run_id, self.signer, epoch=epoch, group_size=group_size)
-        elif swarm_peers >= 2 and (left_out or self._others_finished(epoch, wait_s=3.0 if partial else 0.0)):
-            # Others averaged without us (or got the whole average where we did not): our step used
-            # our own gradients, and state averaging would not bring us back for several epochs.
-            # Download their state at the next step. If every groupmate's result was partial,
-            # nobody has a better state to offer: keep ours until the next state round.
-            logger.warning("epoch %d's round %s; downloading the state of peers that averaged in full", epoch,
-                           "went on without this peer" if left_out or group_size < 2 else
-                           "returned part of the average to this peer only")
+            self._published = swarm_metrics.publish_round(self.dht, self.run_id, self.signer, epoch=epoch,
+                                                          group_size=group_size)
+        elif swarm_peers >= 2 and (left_out or self._others_finished(epoch)):
+            # Others averaged without us: our step used our gradients alone, and state averaging
+            # would not bring us back for several epochs. Download their state at the next step.
+            logger.warning("epoch %d's round went on without this peer; it will download their state", epoch)
             self._stop_sharing_state()
             self._lost_round = epoch
+        elif partial and swarm_peers >= 2:
+            # Groupmates that got the whole average finish later (their reducers wait out the
+            # failed peer) and then publish their round record: look for one at the next steps
+            # (``_resolve_partial_round``), and offer our state to nobody meanwhile.
+            self._stop_sharing_state()
+            self._partial_round = (epoch, time.monotonic() + 2 * self.next_chunk_timeout + self.matchmaking_time)
         with self._rounds_lock:
             # Wall-clock times (comparable across peers on one machine): the round was triggered
             # (this peer reached the target batch), its all-reduce began exchanging tensors, it ended.
@@ -165,18 +173,11 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         stats = getattr(self.grad_averager, "wire_stats", None)
         return stats.snapshot()["elements_missing"] if stats is not None else 0
 
-    def _others_finished(self, epoch: int, wait_s: float = 0.0) -> bool:
-        """Whether a peer reports having finished epoch ``epoch``'s round in a group, with the whole
-        average; polled for ``wait_s`` (groupmates publish a moment after their round ends)."""
-        if self.signer is None:
-            return False
-        deadline = time.monotonic() + wait_s
-        while True:
-            if swarm_metrics.largest_finished_group(self.dht, self.run_id, epoch) >= 2:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.5)
+    def _others_finished(self, epoch: int) -> bool:
+        """Whether a peer reports having finished epoch ``epoch``'s round (or a later one: its record
+        holds its latest) in a group, with the whole average."""
+        return (self.signer is not None
+                and swarm_metrics.largest_finished_group(self.dht, self.run_id, epoch, or_later=True) >= 2)
 
     def _wait_for_allreduce_start(self, control, epoch: int) -> tuple[float | None, bool]:
         """When the averager (a child process) began exchanging tensors: its stage lives in shared
@@ -199,7 +200,33 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             time.sleep(0.005)
         return None, False
 
+    def _resolve_partial_round(self, *, wait: bool) -> None:
+        """After a round that returned only part of the average to us (a groupmate failed, we kept
+        our own gradients there): if a groupmate reports that round done with the whole average,
+        our step differs from theirs, so download their state (``_lost_round``). If none does by
+        the deadline, every member's result was partial and nobody holds a better state: offer
+        ours again. ``wait``: poll until decided (before leaving), else ask at most once a second."""
+        while self._partial_round is not None:
+            epoch, deadline = self._partial_round
+            now = time.monotonic()
+            if wait or now - self._partial_checked >= 1.0:
+                self._partial_checked = now
+                if self._others_finished(epoch):
+                    logger.warning("epoch %d's round returned part of the average to this peer only; "
+                                   "downloading the state of peers that averaged in full", epoch)
+                    self._partial_round, self._lost_round = None, epoch
+                    return
+            if now >= deadline:
+                self._partial_round = None
+                if not self.client_mode and self._lost_round is None:
+                    self.state_averager.allow_state_sharing = True
+                return
+            if not wait:
+                return
+            time.sleep(0.5)
+
     def _should_load_state_from_peers(self) -> bool:
+        self._resolve_partial_round(wait=False)
         return self._lost_round is not None or super()._should_load_state_from_peers()
 
     def load_state_from_peers(self, **kwargs) -> None:
@@ -273,6 +300,12 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         out downloads it (see ``_wait_for_allreduce_start``), and once the last members of the
         round are gone it could only keep its own diverged parameters."""
         self.state_averager.step(wait_for_delayed_updates=True)
+        if self._published is not None:  # groupmates given part of our last round look for it
+            try:
+                self._published.result(timeout=5.0)
+            except Exception as e:
+                logger.debug("could not publish the last round record: %r", e)
+        self._resolve_partial_round(wait=True)
         if self._lost_round is not None:  # our last step went without the swarm: end on theirs
             self.load_state_from_peers()
         last = self.last_round()
