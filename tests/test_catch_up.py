@@ -237,13 +237,14 @@ def test_after_a_round_that_missed_a_peer_a_leaving_peer_serves_until_it_caught_
         assert 4.0 <= waited < 5.0, waited
 
 
-def test_a_peer_left_out_of_a_round_stops_offering_its_state_at_once():
-    # Between the round it missed and its download, its parameters take a step the swarm did not,
-    # at the swarm's epoch: offered, the coordinator's checkpointer or a newcomer would take them.
-    averager = SimpleNamespace(allow_state_sharing=True)
-    opt = SimpleNamespace(client_mode=False, state_averager=averager)
-    SwarmOptimizer._stop_sharing_state(opt)
-    assert averager.allow_state_sharing is False
+def test_a_peer_left_out_of_a_round_ranks_its_state_below_the_groups_at_once():
+    # Between the round it missed and its download, its parameters take a step the swarm did not.
+    # At its epoch they would tie with the group's; not offered at all, the coordinator's copy
+    # (epochs old) would be the best on offer. Half an epoch lower: below the group, above that.
+    averager = SimpleNamespace(state_sharing_priority=7.0)
+    opt = SimpleNamespace(client_mode=False, state_averager=averager, local_epoch=7)
+    SwarmOptimizer._demote_state(opt)
+    assert averager.state_sharing_priority == 6.5
 
 
 def test_a_peer_mid_update_never_serves_last_epochs_parameters_as_this_epochs():
@@ -292,6 +293,7 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
     monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging", lambda self: seen.append("scheduled"))
     opt = SwarmOptimizer.__new__(SwarmOptimizer)
     opt.average_state_every, opt.final_epoch = 3, 6
+    opt._lost_round = opt._partial_round = None
     opt.tracker, opt.state_averager = SimpleNamespace(global_epoch=0), SimpleNamespace(local_epoch=4)
     opt._update_global_epoch(None)
     opt._maybe_schedule_state_averaging()
@@ -310,7 +312,7 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
 def _partial(finished_after: int | None, deadline_s: float):
     asked = []
     opt = SimpleNamespace(_partial_round=(4, time.monotonic() + deadline_s), _partial_checked=0.0, _lost_round=None,
-                          client_mode=False, state_averager=SimpleNamespace(allow_state_sharing=False),
+                          client_mode=False, local_epoch=5, state_averager=SimpleNamespace(state_sharing_priority=4.5),
                           _others_finished=lambda epoch: asked.append(epoch) or (
                               finished_after is not None and len(asked) > finished_after))
     return opt, asked
@@ -326,7 +328,7 @@ def test_a_peer_given_part_of_the_average_downloads_if_a_groupmate_got_all_of_it
     assert asked == [4] and opt._lost_round is None and opt._partial_round is not None
     SwarmOptimizer._resolve_partial_round(opt, wait=True)  # before leaving: until decided
     assert asked == [4, 4] and opt._lost_round == 4 and opt._partial_round is None
-    assert opt.state_averager.allow_state_sharing is False, "our partial step is offered to nobody"
+    assert opt.state_averager.state_sharing_priority == 4.5, "our partial step ranks below the group's"
 
 
 def test_when_every_groupmate_got_part_of_the_average_a_peer_keeps_its_state_and_offers_it_again():
@@ -334,4 +336,5 @@ def test_when_every_groupmate_got_part_of_the_average_a_peer_keeps_its_state_and
     started = time.monotonic()
     SwarmOptimizer._resolve_partial_round(opt, wait=True)
     assert 1.2 <= time.monotonic() - started < 3.0 and len(asked) >= 2
-    assert opt._lost_round is None and opt._partial_round is None and opt.state_averager.allow_state_sharing
+    assert opt._lost_round is None and opt._partial_round is None
+    assert opt.state_averager.state_sharing_priority == 5, "as good as anyone's: offered at our epoch again"

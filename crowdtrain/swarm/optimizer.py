@@ -104,12 +104,15 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         # partial average of parameters (seen: a peer ending 0.03 away from the rest). The last
         # gradient round already gave every peer in it the same update.
         if not self._last_step_ahead():
-            return super()._update_global_epoch(grad_scaler)
-        every, self.average_state_every = self.average_state_every, _NEVER
-        try:
-            return super()._update_global_epoch(grad_scaler)
-        finally:
-            self.average_state_every = every
+            super()._update_global_epoch(grad_scaler)
+        else:
+            every, self.average_state_every = self.average_state_every, _NEVER
+            try:
+                super()._update_global_epoch(grad_scaler)
+            finally:
+                self.average_state_every = every
+        if self._lost_round is not None or self._partial_round is not None:
+            self._demote_state()  # hivemind just offered our state at the new epoch
 
     def _maybe_schedule_state_averaging(self) -> None:
         if not self._last_step_ahead():
@@ -124,7 +127,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         if left_out:
             logger.warning("the swarm finished epoch %d's round without this peer; it will download their state",
                            epoch)
-            self._stop_sharing_state()
+            self._demote_state()
             maybe_step_control.cancel()
         missing_before = self._elements_missing()
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
@@ -145,13 +148,13 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             # Others averaged without us: our step used our gradients alone, and state averaging
             # would not bring us back for several epochs. Download their state at the next step.
             logger.warning("epoch %d's round went on without this peer; it will download their state", epoch)
-            self._stop_sharing_state()
+            self._demote_state()
             self._lost_round = epoch
         elif partial and swarm_peers >= 2:
             # Groupmates that got the whole average finish later (their reducers wait out the
             # failed peer) and then publish their round record: look for one at the next steps
             # (``_resolve_partial_round``), and offer our state to nobody meanwhile.
-            self._stop_sharing_state()
+            self._demote_state()
             self._partial_round = (epoch, time.monotonic() + 2 * self.next_chunk_timeout + self.matchmaking_time)
         with self._rounds_lock:
             # Wall-clock times (comparable across peers on one machine): the round was triggered
@@ -161,13 +164,16 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                                 "done_unix": time.time(), "left_out": self._lost_round == epoch,
                                 "partial": partial})
 
-    def _stop_sharing_state(self) -> None:
-        """From now until we download the group's state: our parameters are about to take a step the
-        swarm did not, and with our epoch they would outrank the group's state, so the coordinator's
-        checkpointer or a newcomer would download them instead (seen: a checkpoint and a laggard
-        took a left-out peer's diverged parameters)."""
+    def _demote_state(self) -> None:
+        """Until we download the group's state: our parameters take (or took) a step the swarm did
+        not. Offered at our epoch they would tie with the group's, and the coordinator's
+        checkpointer, a newcomer or another left-out peer could take them (seen: a checkpoint and
+        a laggard took a left-out peer's diverged parameters); not offered at all, such peers
+        would take the coordinator's copy, epochs old when nobody else serves (seen: the demo's
+        loss rising after four downloads of it). Half an epoch lower ranks our state below every
+        peer that averaged in full and above any older state."""
         if not self.client_mode:
-            self.state_averager.allow_state_sharing = False
+            self.state_averager.state_sharing_priority = self.local_epoch - 0.5
 
     def _elements_missing(self) -> int:
         stats = getattr(self.grad_averager, "wire_stats", None)
@@ -219,7 +225,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             if now >= deadline:
                 self._partial_round = None
                 if not self.client_mode and self._lost_round is None:
-                    self.state_averager.allow_state_sharing = True
+                    self.state_averager.state_sharing_priority = self.local_epoch
                 return
             if not wait:
                 return
@@ -247,7 +253,8 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         lost, self._lost_round = self._lost_round, None
-        if lost is not None and not self.client_mode:  # off since the round (_stop_sharing_state)
+        if lost is not None and not self.client_mode:
+            # Not while we download: another peer left out of the same round would take ours.
             self.state_averager.allow_state_sharing = False
         started = time.monotonic()
         with self.tracker.pause_updates():
