@@ -380,7 +380,7 @@ class RobustOptimizerMixin:
         from crowdtrain.swarm.state import ConsistentStateAverager
 
         return robust_averager_class(guarded(ConsistentStateAverager, getattr(self, "access_guard", None)))(
-            aggregator=self._aggregator, state_wait_s=self.averaging_timeout,
+            aggregator=self._aggregator, state_wait_s=0.5,
             dht=self.dht, prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time, allreduce_timeout=self.allreduce_timeout,
             shutdown_timeout=self.shutdown_timeout, offload_optimizer=self.offload_optimizer,

@@ -8,6 +8,10 @@ behind everyone else for good: state averaging realigns it only every ``average_
 epochs, and never if it leaves first. Here a peer asked for its state while such an update is in
 flight answers once the update is done (which includes a state-averaging round it belongs to), or
 after ``state_wait_s`` with its parameters labelled honestly as the previous epoch.
+
+Keep ``state_wait_s`` short (the optimizer uses 0.5 s): a downloader gives each peer a few
+seconds for its first message and then moves on down the list, and with a 30 s wait a newcomer
+skipped the live peers and took the coordinator's checkpoint, epochs old.
 """
 
 from __future__ import annotations
