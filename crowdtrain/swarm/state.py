@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 class ConsistentStateAverager(TrainingStateAverager):
     """hivemind's TrainingStateAverager whose served state always matches its epoch number."""
 
-    def __init__(self, *args, state_wait_s: float = 30.0, **kwargs):
+    def __init__(self, *args, state_wait_s: float = 0.5, **kwargs):
         self.state_wait_s = state_wait_s
         self._update_done = threading.Event()
         self._update_done.set()
