@@ -341,37 +341,30 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             logger.info("leaving with %d peer(s) still behind epoch %d", len(behind), self.local_epoch)
 
 
-def swarm_epoch_now(tracker) -> int:
-    """The newest epoch any peer reports, read from the DHT now: a paused ProgressTracker's view is
-    frozen (during a round or a state download). Falls back to the tracker's view."""
+def progress_records(tracker) -> list[dict] | None:
+    """Every peer's progress record (hivemind's ProgressTracker) read from the DHT now, malformed
+    ones left out; None if the DHT does not answer. A peer that left cleanly has erased its own."""
     try:
         found = tracker.dht.get(tracker.training_progress_key, latest=True)
     except Exception as e:  # the DHT is busy
         logger.debug("could not read the swarm's progress: %r", e)
-        return tracker.global_epoch
+        return None
     entries = found.value if found is not None and isinstance(found.value, dict) else {}
-    epochs = [v.value["epoch"] for v in entries.values()
-              if isinstance(getattr(v, "value", None), dict) and isinstance(v.value.get("epoch"), int)]
-    return max([tracker.global_epoch, *epochs])
+    return [v.value for v in entries.values()
+            if isinstance(getattr(v, "value", None), dict) and isinstance(v.value.get("epoch"), int)]
+
+
+def swarm_epoch_now(tracker) -> int:
+    """The newest epoch any peer reports, read from the DHT now: a paused ProgressTracker's view is
+    frozen (during a round or a state download). Falls back to the tracker's view."""
+    records = progress_records(tracker) or []
+    return max([tracker.global_epoch, *(r["epoch"] for r in records)])
 
 
 def peers_behind(tracker, epoch: int, *, exclude: bytes = b"") -> list[bytes]:
-    """Peers whose progress record in the DHT reports an epoch below ``epoch`` (empty if the DHT
-    does not answer). A peer that left cleanly has erased its record."""
-    try:
-        found = tracker.dht.get(tracker.training_progress_key, latest=True)
-    except Exception as e:
-        logger.debug("could not read the swarm's progress: %r", e)
-        return []
-    entries = found.value if found is not None and isinstance(found.value, dict) else {}
-    behind = []
-    for entry in entries.values():
-        value = getattr(entry, "value", None)
-        if isinstance(value, dict) and isinstance(value.get("epoch"), int) and value["epoch"] < epoch:
-            peer = value.get("peer_id", b"")
-            if peer != exclude:
-                behind.append(peer)
-    return behind
+    """Peers whose progress record reports an epoch below ``epoch`` (empty if the DHT does not answer)."""
+    return [r.get("peer_id", b"") for r in progress_records(tracker) or []
+            if r["epoch"] < epoch and r.get("peer_id", b"") != exclude]
 
 
 def swarm_at_start(tracker, state_averager) -> bool:
