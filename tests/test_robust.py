@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -157,3 +158,98 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
             a.shutdown()
         for d in dhts:
             d.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_an_averager_looking_for_a_group_reads_the_dht_a_few_times_a_second_not_fifty():
+    # hivemind re-reads the group key as soon as a read returns while no better leader is known:
+    # about 50 DHT lookups a second per averager, which starved groupmates of CPU on 2 cores.
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    from crowdtrain.swarm.robust import robust_averager_class
+
+    dht = hivemind.DHT(start=True)
+    averager = robust_averager_class(DecentralizedAverager)(
+        [torch.zeros(8)], dht, prefix="lonely", target_group_size=2, min_group_size=2, min_matchmaking_time=2.0,
+        request_timeout=0.5, start=True)
+    try:
+        started = time.monotonic()
+        control = averager.step(wait=False, timeout=4.0)
+        with pytest.raises(Exception):
+            control.result(30)  # nobody else: the round fails after its timeout
+        looked = time.monotonic() - started
+        lookups = averager.wire_stats.snapshot()["group_lookups"]
+        interval = 0.2  # min_matchmaking_time / 10
+        assert 2 <= lookups <= looked / interval + 3, (lookups, looked)
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def test_the_gradient_averager_gets_the_runs_matchmaking_options():
+    # hivemind passes ``averager_opts`` to the state averager only; the gradient averager kept a
+    # request_timeout (3 s) not below the matchmaking time (3 s in the demo): followers gave up on
+    # a leader as it began the all-reduce with them, and groupmates got part of the average; and
+    # centered_clip's groups of three (an attacker must not be half a group) did not apply to it.
+    import hivemind
+
+    from crowdtrain.swarm.config import demo_swarm_config
+    from crowdtrain.swarm.optimizer import build_optimizer
+
+    dht = hivemind.DHT(start=True)
+    config = dataclasses.replace(demo_swarm_config("opts"), aggregation="centered_clip")
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizer(dht, model, config, batch_size=4)
+    try:
+        for averager in (opt.grad_averager, opt.state_averager):
+            kwargs = averager.matchmaking_kwargs
+            assert kwargs["request_timeout"] < kwargs["min_matchmaking_time"] == config.matchmaking_time_s
+            assert kwargs["min_group_size"] == config.min_group_size == 3
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+def test_a_part_for_a_group_we_have_not_started_yet_waits_for_it_instead_of_being_refused():
+    # Pre-scheduled matchmaking forms the group before a slow member's trigger; its triggered
+    # groupmates send their parts at once. hivemind refused them (BAD_GROUP_ID) whenever the event
+    # it waits on had been set again by the end of the previous round: a partial average for all.
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.proto import averaging_pb2
+
+    from crowdtrain.swarm.robust import robust_averager_class
+
+    class Runner:
+        async def rpc_aggregate_part(self, stream, context):
+            async for request in stream:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=request.tensor_part)
+
+    async def ask(averager, group_id: bytes, register_after: float | None):
+        averager._running_groups, averager._pending_groups_registered = {}, asyncio.Event()
+        averager._pending_groups_registered.set()  # as the previous round's end leaves it
+
+        async def register():
+            await asyncio.sleep(register_after)
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(Runner())
+            averager._running_groups[b"group"] = future
+
+        task = asyncio.create_task(register()) if register_after is not None else None
+
+        async def parts():
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=group_id)
+
+        replies = [m.code async for m in averager.rpc_aggregate_part(parts(), None)]
+        if task is not None:
+            await task
+        return replies
+
+    averager = robust_averager_class(DecentralizedAverager).__new__(robust_averager_class(DecentralizedAverager))
+    averager.next_chunk_timeout = 1.0
+    started = time.monotonic()
+    assert asyncio.run(ask(averager, b"group", register_after=0.3)) == [averaging_pb2.AVERAGED_PART]
+    assert 0.3 <= time.monotonic() - started < 1.0
+    started = time.monotonic()
+    assert asyncio.run(ask(averager, b"other", register_after=None)) == [averaging_pb2.BAD_GROUP_ID]
+    assert time.monotonic() - started >= 1.0, "a group never registered is refused after the wait"

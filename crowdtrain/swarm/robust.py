@@ -32,14 +32,15 @@ import ctypes
 import functools
 import multiprocessing as mp
 import time
-from typing import Sequence
+from typing import AsyncIterator, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.asyncio import achain, amap_in_executor, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 from crowdtrain.swarm.config import SwarmConfig
@@ -149,7 +150,9 @@ class WireStats:
     """Counters shared with the averager's background process (hivemind averagers are processes)."""
 
     # elements_missing: elements of our result that a failed reducer never sent (we kept our own).
-    FIELDS = ("bytes_sent", "aggregate_s", "parts_dropped", "parts_reduced", "rounds", "elements_missing")
+    # group_lookups: reads of the group's matchmaking key from the DHT (see ``throttle_group_lookups``).
+    FIELDS = ("bytes_sent", "aggregate_s", "parts_dropped", "parts_reduced", "rounds", "elements_missing",
+              "group_lookups")
 
     def __init__(self):
         self._values = mp.Array(ctypes.c_double, len(self.FIELDS))
@@ -163,7 +166,7 @@ class WireStats:
         with self._values.get_lock():
             values = list(self._values)
         out = dict(zip(self.FIELDS, values))
-        for name in ("bytes_sent", "parts_dropped", "parts_reduced", "rounds", "elements_missing"):
+        for name in ("bytes_sent", "parts_dropped", "parts_reduced", "rounds", "elements_missing", "group_lookups"):
             out[name] = int(out[name])
         return out
 
@@ -299,6 +302,30 @@ class RobustAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
+def throttle_group_lookups(key_manager, *, min_interval: float, stats: WireStats | None = None) -> None:
+    """Space out ``key_manager``'s DHT reads of the group key by at least ``min_interval`` seconds.
+
+    While an averager looks for a group and no better leader is known, hivemind's matchmaking
+    re-reads the key as soon as the last read returns (``PotentialLeaders.pop_next_leader``): about
+    50 reads a second per averager, each a DHT lookup that every other peer answers. With a grad
+    and a state averager per peer that took most of a 2-core machine, and groupmates starved of
+    CPU missed the all-reduce (partial rounds). Followers reach a leader by calling it, not through
+    these reads; they only find a better leader, which a few reads a second do as well."""
+    fetch = key_manager.get_averagers
+    last = [float("-inf")]
+
+    async def get_averagers(group_key, only_active):
+        wait = last[0] + min_interval - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        last[0] = time.monotonic()
+        if stats is not None:
+            stats.add(group_lookups=1)
+        return await fetch(group_key, only_active)
+
+    key_manager.get_averagers = get_averagers
+
+
 class RobustAveragerMixin:
     """Put before a hivemind averager class in the bases (see :func:`robust_averager_class`).
 
@@ -314,6 +341,34 @@ class RobustAveragerMixin:
         self._results_as_values = results_as_values
         self.wire_stats = WireStats()
         super().__init__(*args, **kwargs)
+
+    # hivemind makes the matchmaking in the averager's process (``_run_internal``): throttle it there.
+    @property
+    def _matchmaking(self):
+        return self.__dict__["_matchmaking"]
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking) -> None:
+        interval = min(1.0, max(0.1, matchmaking.min_matchmaking_time / 10))
+        throttle_group_lookups(matchmaking.group_key_manager, min_interval=interval, stats=self.wire_stats)
+        self.__dict__["_matchmaking"] = matchmaking
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate's part for a group we are in but have not started yet: wait for it to start.
+
+        Groups form ahead of time (hivemind pre-schedules matchmaking); a member registers the group
+        only once its own trigger comes (its share of the batch is done), while triggered members
+        already send their parts. hivemind waits for an event meant to mark that registration, but
+        the end of the previous round sets it again after the new round cleared it, so the early
+        parts were refused at once (BAD_GROUP_ID) and the whole group got a partial average (seen in
+        most rounds with a slow member). Wait as long as a groupmate waits for a reducer's answer."""
+        request = await anext(stream)
+        deadline = time.monotonic() + (self.next_chunk_timeout or self.request_timeout)
+        while request.group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         # DecentralizedAverager._run_allreduce_inplace_ with the robust runner.
@@ -363,11 +418,19 @@ class RobustOptimizerMixin:
     def __init__(self, *args, aggregator: Aggregator | None = None, attack=None, **kwargs):
         self._aggregator = aggregator or MeanAggregator()
         self._attack = attack
+        self._averager_opts = dict(kwargs.get("averager_opts") or {})
         super().__init__(*args, **kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
         from hivemind.optim.grad_averager import GradientAverager
 
+        # hivemind gives ``averager_opts`` to the state averager only: without them the gradient
+        # averager kept request_timeout = 3 s, not below a 3 s matchmaking time, and a follower
+        # gave up on its leader just as the leader began the all-reduce with it (groupmates got
+        # BAD_GROUP_ID and a partial average), and ignored ``min_group_size``.
+        for name in ("request_timeout", "min_group_size"):
+            if name in self._averager_opts:
+                kwargs.setdefault(name, self._averager_opts[name])
         factory = factory if factory is not None else GradientAverager
         if isinstance(factory, type):
             factory = functools.partial(robust_averager_class(factory), aggregator=self._aggregator,
