@@ -247,6 +247,7 @@ def test_a_part_for_a_group_we_have_not_started_yet_waits_for_it_instead_of_bein
 
     averager = robust_averager_class(DecentralizedAverager).__new__(robust_averager_class(DecentralizedAverager))
     averager.next_chunk_timeout = 1.0
+    averager._parent_pid = -1  # never started: nothing for hivemind's __del__ to shut down
     started = time.monotonic()
     assert asyncio.run(ask(averager, b"group", register_after=0.3)) == [averaging_pb2.AVERAGED_PART]
     assert 0.3 <= time.monotonic() - started < 1.0

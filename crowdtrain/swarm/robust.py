@@ -345,7 +345,10 @@ class RobustAveragerMixin:
     # hivemind makes the matchmaking in the averager's process (``_run_internal``): throttle it there.
     @property
     def _matchmaking(self):
-        return self.__dict__["_matchmaking"]
+        try:
+            return self.__dict__["_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
 
     @_matchmaking.setter
     def _matchmaking(self, matchmaking) -> None:
@@ -361,8 +364,9 @@ class RobustAveragerMixin:
         only once its own trigger comes (its share of the batch is done), while triggered members
         already send their parts. hivemind waits for an event meant to mark that registration, but
         the end of the previous round sets it again after the new round cleared it, so the early
-        parts were refused at once (BAD_GROUP_ID) and the whole group got a partial average (seen in
-        most rounds with a slow member). Wait as long as a groupmate waits for a reducer's answer."""
+        parts were refused at once (BAD_GROUP_ID) and the whole group got a partial average (seen
+        many times a run in the churn test's debug logs). Wait as long as a groupmate waits for a
+        reducer's answer."""
         request = await anext(stream)
         deadline = time.monotonic() + (self.next_chunk_timeout or self.request_timeout)
         while request.group_id not in self._running_groups and time.monotonic() < deadline:
