@@ -187,7 +187,7 @@ class DiLoCoOptimizer:
             make_outer_optimizer(global_params, config), dht=dht, prefix=f"{config.run_id}_diloco",
             aggregator=make_aggregator(config), attack=attack,
             compression=PaperCompression(config.compression_threshold),
-            min_matchmaking_time=config.matchmaking_time_s, request_timeout=min(1.0, config.matchmaking_time_s / 3),
+            min_matchmaking_time=config.matchmaking_time_s, request_timeout=config.request_timeout_s,
             # Rounds are rare, so wait longer for a late groupmate than sync mode does (a peer sees
             # the sync point up to a tracker refresh after another, plus its current step).
             allreduce_timeout=config.averaging_timeout_s,

@@ -418,7 +418,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
         client_mode=client_mode, auxiliary=auxiliary, verbose=verbose,
         aggregator=make_aggregator(config), attack=attack,
         # request_timeout below min_matchmaking_time avoids rare matchmaking deadlocks.
-        averager_opts=dict(request_timeout=min(1.0, config.matchmaking_time_s / 3),
+        averager_opts=dict(request_timeout=config.request_timeout_s,
                            min_group_size=config.min_group_size),
         next_chunk_timeout=config.next_chunk_timeout_s,
         tracker_opts=dict(min_refresh_period=0.5, max_refresh_period=max(2.0, config.matchmaking_time_s)),
