@@ -429,9 +429,9 @@ class RobustOptimizerMixin:
         from hivemind.optim.grad_averager import GradientAverager
 
         # hivemind gives ``averager_opts`` to the state averager only: without them the gradient
-        # averager kept request_timeout = 3 s, not below a 3 s matchmaking time, and a follower
-        # gave up on its leader just as the leader began the all-reduce with it (groupmates got
-        # BAD_GROUP_ID and a partial average), and ignored ``min_group_size``.
+        # averager kept hivemind's 3 s request_timeout, not below a 3 s matchmaking time (which
+        # hivemind warns can deadlock matchmaking), and ignored ``min_group_size`` (centered_clip's
+        # groups of three).
         for name in ("request_timeout", "min_group_size"):
             if name in self._averager_opts:
                 kwargs.setdefault(name, self._averager_opts[name])
