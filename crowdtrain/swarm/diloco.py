@@ -100,6 +100,8 @@ class DiLoCoAverager(RobustAveragerMixin, DecentralizedAverager):
     ``local_epoch`` and ``state_sharing_priority`` as it does from hivemind's TrainingStateAverager.
     """
 
+    wait_for_unstarted_groups = False  # see RobustAveragerMixin: DiLoCo keeps hivemind's behaviour
+
     def __init__(self, outer_optimizer: torch.optim.SGD, *, dht, prefix: str, **kwargs):
         self.optimizer = outer_optimizer
         self.global_params = [p for group in outer_optimizer.param_groups for p in group["params"]]

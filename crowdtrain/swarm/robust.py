@@ -342,6 +342,11 @@ class RobustAveragerMixin:
         self.wire_stats = WireStats()
         super().__init__(*args, **kwargs)
 
+    # See ``rpc_aggregate_part``. Off for DiLoCo's averager: with it, 2 of 2 CI runs of the DiLoCo
+    # test failed (once two peers of one round held different bits, neither flagged diverged);
+    # not yet understood.
+    wait_for_unstarted_groups = True
+
     # hivemind makes the matchmaking in the averager's process (``_run_internal``): throttle it there.
     @property
     def _matchmaking(self):
@@ -368,7 +373,8 @@ class RobustAveragerMixin:
         many times a run in the churn test's debug logs). Wait as long as a groupmate waits for a
         reducer's answer."""
         request = await anext(stream)
-        deadline = time.monotonic() + (self.next_chunk_timeout or self.request_timeout)
+        wait = (self.next_chunk_timeout or self.request_timeout) if self.wait_for_unstarted_groups else 0.0
+        deadline = time.monotonic() + wait
         while request.group_id not in self._running_groups and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
