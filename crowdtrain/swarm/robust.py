@@ -166,8 +166,9 @@ class WireStats:
         with self._values.get_lock():
             values = list(self._values)
         out = dict(zip(self.FIELDS, values))
-        for name in ("bytes_sent", "parts_dropped", "parts_reduced", "rounds", "elements_missing", "group_lookups"):
-            out[name] = int(out[name])
+        for name in self.FIELDS:
+            if name != "aggregate_s":  # seconds; every other field counts
+                out[name] = int(out[name])
         return out
 
 
