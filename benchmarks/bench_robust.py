@@ -3,14 +3,22 @@
 Four peers (batch 16) train `tiny` on 127.0.0.1; in the attacked runs one of them sends crafted
 tensors in every averaging round (``--inject-fault attack=NAME``, see crowdtrain.swarm.attacks).
 The clean run has four honest peers. Loss = held-out loss of the three honest peers' final
-weights (mean). Both modes: sync (gradients; 384-sample epochs) and DiLoCo (pseudo-gradients;
-768-sample rounds).
+weights (mean). Both modes: sync (gradients; 10 epochs of 384 samples) and DiLoCo
+(pseudo-gradients; 8 rounds of 768 samples).
+
+Every peer pads its steps to ``STEP_S`` seconds (``--simulated-step-s``, one thread). Without
+that, four peers flat out on a shared 2-core machine do unequal and run-to-run different numbers
+of steps, overshoot the round's target by different amounts, and the final loss of two clean
+DiLoCo runs differed by 20%: more than the effect to measure. Each peer also keeps its peer ID
+(``--identity``) from run to run, and with it its data order. The clean run is repeated
+(``--clean-repeats``) so the table shows the run-to-run spread that is left next to the attacks.
 
 Cost of centered_clip: the time reducers spend aggregating per round (measured in the runs,
 mean vs centered_clip), and a micro-benchmark of one reducer's aggregation for the slice a
 peer reduces in a 4-peer group, for the tiny, demo and paper presets.
 
     python benchmarks/bench_robust.py [--modes sync diloco] [--attacks scale sign_flip noise nan bias]
+                                      [--clean-repeats 2]
 
 Runs of the modes not named are kept from the last results file, so the modes can run apart.
 """
@@ -33,20 +41,26 @@ from crowdtrain.swarm.attacks import ATTACKS  # noqa: E402
 from crowdtrain.swarm.robust import CenteredClipAggregator, MeanAggregator  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+STEP_S = 0.3  # real steps of `tiny` at batch 16 take 0.1-0.3 s here with four peers on two cores
 COMMON = {"matchmaking_time_s": 3.0, "averaging_timeout_s": 30.0, "checkpoint_every_epochs": 100000}
 MODES = {
     "sync": ({**COMMON, "mode": "sync", "target_batch_size": 384, "lr": 0.01, "warmup_epochs": 1,
               "total_epochs": 10}, 10),
     "diloco": ({**COMMON, "mode": "diloco", "target_batch_size": 768, "lr": 0.003, "warmup_epochs": 1,
-                "total_epochs": 6}, 6),
+                "total_epochs": 8}, 8),
 }
 
 
-def one_run(tmp: Path, mode: str, aggregation: str, attack: str | None) -> dict:
+def one_run(tmp: Path, mode: str, aggregation: str, attack: str | None, repeat: int = 0) -> dict:
     swarm, epochs = MODES[mode]
-    peers = [(n, 16, []) for n in ("a", "b", "c")]
-    peers.append(("evil" if attack else "d", 16, ["--inject-fault", f"attack={attack}"] if attack else []))
-    result = run(tmp / f"{mode}-{aggregation}-{attack or 'clean'}", swarm={**swarm, "aggregation": aggregation},
+    pace = ["--simulated-step-s", str(STEP_S)]
+    # The same peer IDs in every run, so the same data order (peers shuffle by their ID); the
+    # attacker takes the fourth honest peer's.
+    ids = {n: ["--identity", str(tmp / "identities" / f"{n}.key")] for n in ("a", "b", "c", "d")}
+    peers = [(n, 16, pace + ids[n]) for n in ("a", "b", "c")]
+    peers.append(("evil" if attack else "d", 16,
+                  pace + ids["d"] + (["--inject-fault", f"attack={attack}"] if attack else [])))
+    result = run(tmp / f"{mode}-{aggregation}-{attack or 'clean'}-{repeat}", swarm={**swarm, "aggregation": aggregation},
                  peers=peers, epochs=epochs)
     honest = {n: result["eval_loss"][n] for n in ("a", "b", "c")}
     reducer_s, rounds, dropped = 0.0, 0, 0
@@ -61,7 +75,8 @@ def one_run(tmp: Path, mode: str, aggregation: str, attack: str | None) -> dict:
     return {"mode": mode, "aggregation": aggregation, "attack": attack or "none",
             "loss": sum(honest.values()) / 3, "losses": honest, "reducer_s_per_round": reducer_s / max(1, rounds),
             "round_s": sum(round_s) / len(round_s) if round_s else None, "parts_dropped": dropped,
-            "wall_s": result["wall_s"], "codes": result["codes"]}
+            "wall_s": result["wall_s"], "codes": result["codes"], "step_s": STEP_S, "epochs": epochs,
+            "steps_over_budget": sum(result["summaries"][n].get("over_budget_steps", 0) for n in ("a", "b", "c"))}
 
 
 def micro(repeats: int = 5) -> list[dict]:
@@ -89,10 +104,38 @@ def micro(repeats: int = 5) -> list[dict]:
     return out
 
 
+def print_table(mode: str, runs: list[dict], start: float) -> None:
+    """Attack x rule -> final loss, each cell vs the clean runs of the same rule (their mean)."""
+    mine = [r for r in runs if r["mode"] == mode]
+    clean = {a: [r["loss"] for r in mine if r["attack"] == "none" and r["aggregation"] == a]
+             for a in ("mean", "centered_clip")}
+    print(f"\n{mode}: final held-out loss of the honest peers (start {start:.3f}); in brackets: vs the mean "
+          "of the clean runs with the same rule")
+    print(f"{'attack':<11}{'mean':>22}{'centered_clip':>22}")
+    for attack in ["none", *ATTACKS]:
+        rows = [r for r in mine if r["attack"] == attack]
+        for repeat in range(max([sum(r["aggregation"] == a for r in rows) for a in clean] or [0])):
+            cells = []
+            for aggregation in ("mean", "centered_clip"):
+                same = [r for r in rows if r["aggregation"] == aggregation]
+                if repeat >= len(same) or not clean[aggregation]:
+                    cells.append("-")
+                    continue
+                reference = sum(clean[aggregation]) / len(clean[aggregation])
+                cells.append(f"{same[repeat]['loss']:.3f} ({100 * (same[repeat]['loss'] / reference - 1):+.1f}%)")
+            print(f"{attack:<11}{cells[0]:>22}{cells[1]:>22}")
+    per_round = {a: [r["reducer_s_per_round"] for r in mine if r["aggregation"] == a] for a in ("mean", "centered_clip")}
+    if all(per_round.values()):
+        means = {a: sum(v) / len(v) for a, v in per_round.items()}
+        print(f"reducer time per round and peer: mean {means['mean'] * 1e3:.1f} ms, centered_clip "
+              f"{means['centered_clip'] * 1e3:.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    parser.add_argument("--clean-repeats", type=int, default=2, help="clean runs per mode and rule (default 2)")
     parser.add_argument("--micro-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -110,33 +153,14 @@ def main() -> None:
         tmp = Path(tempfile.mkdtemp(prefix="bench-robust-"))
         for mode in args.modes:
             for attack in [None, *args.attacks]:
-                for aggregation in ("mean", "centered_clip"):
-                    runs.append(one_run(tmp, mode, aggregation, attack))
-                    print(json.dumps(runs[-1]), flush=True)
-                    out.write_text(json.dumps(results, indent=2))
+                for repeat in range(args.clean_repeats if attack is None else 1):
+                    for aggregation in ("mean", "centered_clip"):
+                        runs.append(one_run(tmp, mode, aggregation, attack, repeat))
+                        print(json.dumps(runs[-1]), flush=True)
+                        out.write_text(json.dumps(results, indent=2))
         results["initial_loss"] = initial_loss()
         for mode in sorted({r["mode"] for r in runs}, key=list(MODES).index):
-            clean = {r["aggregation"]: r["loss"] for r in runs if r["mode"] == mode and r["attack"] == "none"}
-            print(f"\n{mode}: final held-out loss of the honest peers (start {results['initial_loss']:.3f}); "
-                  "in brackets: vs the clean run with mean")
-            print(f"{'attack':<11}{'mean':>18}{'centered_clip':>18}")
-            for attack in ["none", *ATTACKS]:
-                if not any(r["mode"] == mode and r["attack"] == attack for r in runs):
-                    continue
-                cells = []
-                for aggregation in ("mean", "centered_clip"):
-                    r = next((r for r in runs if (r["mode"], r["attack"], r["aggregation"]) == (mode, attack, aggregation)),
-                             None)
-                    if r is None:
-                        cells.append("-")
-                        continue
-                    cells.append(f"{r['loss']:.3f} ({100 * (r['loss'] / clean['mean'] - 1):+.1f}%)")
-                print(f"{attack:<11}{cells[0]:>18}{cells[1]:>18}")
-            per_round = {a: [r["reducer_s_per_round"] for r in runs if r["mode"] == mode and r["aggregation"] == a]
-                         for a in ("mean", "centered_clip")}
-            means = {a: sum(v) / len(v) for a, v in per_round.items()}
-            print(f"reducer time per round and peer: mean {means['mean'] * 1e3:.1f} ms, centered_clip "
-                  f"{means['centered_clip'] * 1e3:.1f} ms")
+            print_table(mode, runs, results["initial_loss"])
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out}")
 

@@ -74,13 +74,13 @@ def suite_tables(results: dict) -> str:
     if dilocos:
         out.append("")
         out.append("DiLoCo mode, 4 peers (compute utilization; pseudo-gradient rounds, trigger to outer step)")
-        out.append(f"{'run':>24} {'link':>7} {'overlap':>8} {'utilization':>12} {'epoch s':>8} {'round s':>8} "
+        out.append(f"{'run':>24} {'link':>7} {'utilization':>12} {'epoch s':>8} {'round s':>8} "
                    f"{'floor s':>8} {'rounds':>7}")
         for name, r in dilocos:
             d = r.get("diloco", {})
             spans = [p for p in r["per_peer"].values() if p.get("epochs")]
             epoch = sum(p["span_s"] / p["epochs"] for p in spans) / len(spans) if spans else None
-            out.append(f"{name:>24} {','.join(r['links']):>7} {'on' if d.get('overlapped') else 'off':>8} "
+            out.append(f"{name:>24} {','.join(r['links']):>7} "
                        f"{_f(r.get('utilization_mean')):>12} {_f(epoch, '.1f'):>8} {_f(d.get('round_s_median'), '.1f'):>8} "
                        f"{_f(d.get('floor_s'), '.1f'):>8} {d.get('full_records', 0):>7}")
     churn = (results.get("churn") or {}).get("churn")
