@@ -146,7 +146,7 @@ def main() -> None:
               f"centered_clip {row['centered_clip_s_per_round']:.4f}s per round (+{row['extra_s_per_round']:.4f}s)")
     out = RESULTS / "bench_robust.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    # Runs of modes not asked for this time stay in the table (one mode takes about 25 minutes).
+    # Runs of modes not asked for this time stay in the table (one mode takes about 16 minutes here).
     kept = json.loads(out.read_text()).get("runs", []) if out.is_file() else []
     runs = results["runs"] = [r for r in kept if r["mode"] not in args.modes]
     if not args.micro_only:
