@@ -114,7 +114,7 @@ def print_table(mode: str, runs: list[dict], start: float) -> None:
     print(f"{'attack':<11}{'mean':>22}{'centered_clip':>22}")
     for attack in ["none", *ATTACKS]:
         rows = [r for r in mine if r["attack"] == attack]
-        for repeat in range(max([sum(r["aggregation"] == a for r in rows) for a in clean] or [0])):
+        for repeat in range(max(sum(r["aggregation"] == a for r in rows) for a in clean)):
             cells = []
             for aggregation in ("mean", "centered_clip"):
                 same = [r for r in rows if r["aggregation"] == aggregation]
