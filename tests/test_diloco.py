@@ -88,6 +88,43 @@ def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_
 
 
 @pytest.mark.timeout(360)
+def test_overlapped_outer_rounds_train_on_during_the_round_and_still_agree(swarm_factory):
+    """``overlap_outer_round``: inner steps go on while the pseudo-gradient round runs, the outer
+    step lands when it ends, and every peer still holds the same global parameters after it."""
+    swarm = swarm_factory(swarm={"mode": "diloco", "overlap_outer_round": True, "target_batch_size": 768,
+                                 "lr": 0.003, "warmup_epochs": 1, "total_epochs": 20})
+    swarm.start_coordinator()
+    epochs = 6
+    names = ("a", "b", "c")
+    # Steps of 0.2 s or more: peers reach the sync point up to a tracker refresh apart, so the
+    # first to start a round waits for the others for several of its own steps.
+    for name in names:
+        swarm.join(name, batch_size=16, max_epochs=epochs, extra=["--simulated-step-s", "0.2"])
+    for name in names:
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    summaries = {n: swarm.summary(n) for n in names}
+    by_epoch: dict[int, dict[str, str]] = {}
+    for name, s in summaries.items():
+        for r in s["rounds"]:
+            if not r["diverged"]:
+                by_epoch.setdefault(r["epoch"], {})[name] = r["params_sha"]
+    for epoch, digests in by_epoch.items():
+        assert len(set(digests.values())) == 1, (epoch, digests)
+    rounds = [r for s in summaries.values() for r in s["rounds"]]
+    assert sum(r["group_size"] == 3 for r in rounds) >= epochs, rounds  # most rounds had everyone
+    assert all(r["overlapped"] for r in rounds if r["group_size"] > 1), rounds
+    # Training went on during the rounds, and the trainers hardly waited for them.
+    assert sum(r["inner_steps_during"] for r in rounds) >= epochs, rounds
+    round_s = sum(r["seconds"] for r in rounds if r["overlapped"])
+    blocked = sum(s["averaging"]["blocked_s"] for s in summaries.values())
+    assert blocked < 0.5 * round_s, (blocked, round_s)
+    # Each peer leaves on the global parameters of the last sync: the same bits everywhere.
+    finals = {n: digest_of(swarm.tmp / f"{n}.safetensors") for n in names}
+    assert len(set(finals.values())) == 1, finals
+    assert eval_loss(swarm.tmp / "a.safetensors") < initial_loss() - 0.5
+
+
+@pytest.mark.timeout(360)
 def test_centered_clip_keeps_a_scaling_attacker_from_derailing_diloco(swarm_factory):
     """Four peers, one sending its pseudo-gradient times 1000 every round. With ``mean`` the outer
     step would move the model 250 times too far (SGD does not normalise); centered clip bounds

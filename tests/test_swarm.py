@@ -184,3 +184,19 @@ def test_a_peer_with_a_different_model_is_refused(swarm_factory):
                              "--model", "head_dim=8"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "differs from the run's" in result.stderr and "Install the crowdtrain version" in result.stderr
+
+
+def test_the_trainers_finite_check_finds_one_bad_value_in_any_float_dtype():
+    """``all_finite`` guards every step (gradients before they are sent, parameters after): a
+    single NaN or inf anywhere must be found, and large but finite fp16 values must pass."""
+    from crowdtrain.swarm.optimizer import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            tensors = [torch.randn(300, 300).to(dtype), None, torch.randn(1000).to(dtype)]
+            assert all_finite(tensors), dtype
+            tensors[2][617] = bad
+            assert not all_finite(tensors), (dtype, bad)
+    # A norm of about 100 000: past fp16's range, every value well inside it.
+    assert all_finite([torch.full((1_000_000,), 100.0, dtype=torch.float16), torch.ones(3)])
+    assert all_finite([]) and all_finite([torch.empty(0)])

@@ -19,7 +19,19 @@ newcomers download the global parameters, the outer momentum and the epoch lossl
 Peers check they started from the same global parameters (a hash in the round's gathered
 data); a peer in the minority, or whose round failed while others trained, downloads the state.
 
+Overlapped rounds (``overlap_outer_round``): the trainer starts the round and goes on with inner
+steps while it runs (its tensors sit in the averager's own buffers). When the round ends, the
+outer step lands on the global parameters and the local ones move by the same amount, so the
+inner steps taken meanwhile are kept: ``local += new global - local at the sync`` (one CPU copy
+of the parameters, held while the round runs). Progress records move to the next epoch when a
+round starts, so a peer one epoch behind the records is the swarm mid-round, not out of sync; a
+peer left out of a round learns it from the states on offer (the next epoch's, from peers that
+finished it). At most one round is in flight: a trainer reaching the next sync point first
+waits for it.
+
 Tuning by symptom:
+- Trainers wait on every round (``blocked_s`` in the summary grows by the round time each epoch):
+  the link is slow for the model; set ``overlap_outer_round`` or raise ``target_batch_size``.
 - Loss jumps up right after each sync: the outer step overshoots; lower ``outer_lr`` or
   ``outer_momentum``, or sync more often (lower ``target_batch_size``).
 - Loss plateaus between syncs and falls only at syncs: local copies drift apart; sync more often
@@ -199,6 +211,7 @@ class DiLoCoOptimizer:
         self.global_params = self.averager.global_params
         self.samples_in_round = 0
         self.scheduled = None
+        self.pending: dict | None = None  # an overlapped round in flight (``overlap_outer_round``)
         self.rounds: list[dict] = []
         self.blocked_s = 0.0  # time the trainer spent in rounds and state downloads instead of computing
         self._last_round_end = -float("inf")
@@ -211,20 +224,29 @@ class DiLoCoOptimizer:
 
     @property
     def local_epoch(self) -> int:
+        """The epoch of the global parameters this peer holds."""
         return self.averager.local_epoch
+
+    @property
+    def _progress_epoch(self) -> int:
+        """The epoch our samples count toward: the next one while an overlapped round is in flight."""
+        return self.local_epoch + (self.pending is not None)
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
 
     def step(self) -> None:
+        if self.pending is not None:
+            self._poll_pending(block=False)
         # After a sync smaller than the swarm: compare states when the others have had time to
         # publish theirs, and at the latest before the next sync (never average from a lost branch).
-        if self._consensus_check_at is not None and (time.monotonic() >= self._consensus_check_at
-                                                     or self.tracker.ready_to_update_epoch):
+        # Not while a round is in flight: the global parameters are not this epoch's yet.
+        if self.pending is None and self._consensus_check_at is not None and (
+                time.monotonic() >= self._consensus_check_at or self.tracker.ready_to_update_epoch):
             if self._heal_split():
                 return  # this batch's gradient was computed from the losing branch's parameters
-        if self._should_load_state_from_peers():
+        if self.pending is None and self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "peer is out of sync with the swarm; downloading the state")
             t0 = time.perf_counter()
             self.load_state_from_peers()
@@ -234,10 +256,21 @@ class DiLoCoOptimizer:
         if self.config.inner_optimizer == "adamw" and self.config.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
         self.inner.step()
+        if self.pending is not None:
+            self.pending["inner_steps"] += 1
         self.samples_in_round += self.batch_size
-        self.tracker.report_local_progress(self.local_epoch, self.samples_in_round)
-        self._maybe_schedule_round()
+        self.tracker.report_local_progress(self._progress_epoch, self.samples_in_round)
+        if self.pending is None:
+            self._maybe_schedule_round()
         if self.tracker.ready_to_update_epoch:
+            if self.pending is not None:
+                # The next sync point came before the last round ended: wait for it (the outer
+                # step is delayed by one round at most), then take this one.
+                t0 = time.perf_counter()
+                finished = self._poll_pending(block=True)
+                self.blocked_s += time.perf_counter() - t0
+                if not finished:
+                    return  # the round failed or lost a split: we restarted from the swarm's state
             self._outer_step()
 
     def load_state_from_peers(self, *, lost_branch: bool = False) -> None:
@@ -246,6 +279,8 @@ class DiLoCoOptimizer:
         peer healing the same split must not download them instead of the winners', and wait up to
         an averaging timeout for the winners to publish this epoch's state (they may still be
         finishing their round); never settle for an older epoch, which would undo outer steps."""
+        if self.pending is not None:  # our part is already in that round: let the group finish it
+            self._drop_pending()
         if self.scheduled is not None and not self.scheduled.done():
             self._tag_along_with_zero_weight(self.scheduled)
         self.scheduled = None
@@ -295,6 +330,8 @@ class DiLoCoOptimizer:
         and stay a little longer to serve it (the other group's peers download it from us). The
         model left behind is the swarm's global parameters: inner steps since the last sync were
         never shared, and the swarm's model does not have them either."""
+        if self.pending is not None:
+            self._poll_pending(block=True)
         if self._consensus_check_at is not None:
             time.sleep(max(0.0, self._consensus_check_at - time.monotonic()))
             self._heal_split()
@@ -307,6 +344,8 @@ class DiLoCoOptimizer:
         grace = min(5.0, self.config.matchmaking_time_s) - (time.monotonic() - self._last_round_end)
         if grace > 0:
             time.sleep(grace)
+        if self.pending is not None:
+            self._drop_pending()
         if self.scheduled is not None and not self.scheduled.done():
             if self.scheduled.stage == AveragingStage.LOOKING_FOR_GROUP:
                 self.scheduled.cancel()
@@ -318,9 +357,13 @@ class DiLoCoOptimizer:
     # -- the round
 
     def _should_load_state_from_peers(self) -> bool:
+        # An overlapped round moves progress records to the next epoch when it starts: records one
+        # epoch ahead of our global parameters are the swarm mid-round (ours to join), not a lost
+        # round (if the swarm did finish it without us, ``_went_on_without_us`` finds out).
+        lag = 1 if self.config.overlap_outer_round else 0
         if self._check_sync and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._check_sync = False
-            return self.local_epoch != self.tracker.global_epoch
+            return not 0 <= self.tracker.global_epoch - self.local_epoch <= lag
         return self.local_epoch < self.tracker.global_epoch - 1
 
     def _set_inner_lr(self) -> None:
@@ -345,46 +388,120 @@ class DiLoCoOptimizer:
                                   timeout=self.config.averaging_timeout_s)
 
     def _outer_step(self) -> None:
+        """The sync point: average the pseudo-gradients and step the global parameters. With
+        ``overlap_outer_round`` the round goes on in the background while inner steps continue,
+        and ``_poll_pending`` finishes it; otherwise the trainer waits for it here."""
         t0 = time.perf_counter()
-        before = self.averager.wire_stats.snapshot()
         epoch = self.local_epoch
         with self.tracker.pause_updates():
-            swarm_peers = self.tracker.global_progress.num_peers
+            round_ = {"epoch": epoch, "swarm_peers": self.tracker.global_progress.num_peers, "t0": t0,
+                      "before": self.averager.wire_stats.snapshot()}
             with torch.no_grad(), self.averager.get_tensors() as buffers:
                 for buffer, g, p in zip(buffers, self.global_params, self.params):
                     buffer.copy_(g).sub_(p.detach().to("cpu", torch.float32))  # pseudo-gradient
-            gathered = self._average(weight=self.samples_in_round)
-            group_size = len(gathered) if gathered else 1
-            # With no group (alone, or the round failed), the buffers hold our own pseudo-gradient:
-            # the outer step is that of a group of one.
-            with self.averager.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
-                for g, buffer in zip(self.global_params, buffers):
-                    g.grad = buffer
-                self.averager.optimizer.step()
-                for g in self.global_params:
-                    g.grad = None
-                self.averager.local_epoch = new_epoch = max(epoch + 1, self.tracker.global_epoch)
-                self.averager.base_group = group_size
+            control = self._trigger(weight=self.samples_in_round)
+            if self.config.overlap_outer_round and control is not None:
+                # Inner steps go on from the parameters just sent; when the round ends they are
+                # moved onto the new global parameters (``_finish_round``), so no step is lost.
+                round_.update(control=control, started=time.monotonic(), inner_steps=0,
+                              deadline=time.monotonic() + self.config.averaging_timeout_s,
+                              sent_from=[p.detach().to("cpu", torch.float32, copy=True) for p in self.params])
+                self.pending = round_
+                self.tracker.update_epoch(epoch + 1)
+                self.samples_in_round = 0
+                self.blocked_s += time.perf_counter() - t0
+                return
+            gathered = None
+            if control is not None:
+                started = time.monotonic()
+                gathered = self._await(control, started=started, deadline=started + self.config.averaging_timeout_s,
+                                       went_on=lambda: swarm_epoch_now(self.tracker) > epoch)
+            diverged = self._finish_round(round_, gathered)
+        if diverged:
+            self.load_state_from_peers(lost_branch=True)
+        self.blocked_s += time.perf_counter() - t0
+
+    def _poll_pending(self, *, block: bool) -> bool:
+        """Finish the round in flight if it is over (with ``block``, wait until it is). False if
+        this peer then had to download the state (the round failed, or its group lost a split)."""
+        round_ = self.pending
+        control, epoch = round_["control"], round_["epoch"]
+        if not block and not control.done() and time.monotonic() < round_["deadline"]:
+            # Still looking for a group well after the others should have formed theirs: check
+            # (every few seconds) whether they finished this round without us.
+            now = time.monotonic()
+            if (control.stage != AveragingStage.LOOKING_FOR_GROUP or now - round_["started"] < self.config.matchmaking_time_s
+                    or now < round_.get("next_check", 0.0)):
+                return True
+            round_["next_check"] = now + self.config.matchmaking_time_s
+            if not self._went_on_without_us(epoch):
+                return True
+            control.cancel()
+        self.pending = None
+        gathered = self._await(control, started=round_["started"], deadline=round_["deadline"],
+                               went_on=lambda: self._went_on_without_us(epoch))
+        with self.tracker.pause_updates():
+            diverged = self._finish_round(round_, gathered)
+        if diverged:
+            self.load_state_from_peers(lost_branch=True)
+        return not diverged
+
+    def _drop_pending(self) -> None:
+        """Leave the round in flight to the group (our part is in it) and forget its result."""
+        round_, self.pending = self.pending, None
+        control = round_["control"]
+        try:
+            control.result(max(0.0, round_["deadline"] - time.monotonic()))
+        except BaseException as e:
+            logger.debug("a round this peer left early failed: %r", e)
+            if not control.done():
+                control.cancel()
+
+    def _finish_round(self, round_: dict, gathered: dict | None) -> bool:
+        """The outer step from the averaged pseudo-gradient (or, with no group, our own), then the
+        checks that our global parameters are the swarm's; True if they may not be (the caller
+        downloads the state). Runs with the tracker paused."""
+        epoch, swarm_peers, before = round_["epoch"], round_["swarm_peers"], round_["before"]
+        overlapped = "sent_from" in round_
+        group_size = len(gathered) if gathered else 1
+        with self.averager.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
+            for g, buffer in zip(self.global_params, buffers):
+                g.grad = buffer
+            self.averager.optimizer.step()
+            for g in self.global_params:
+                g.grad = None
+            # An overlapped round moved the tracker to the next epoch when it started.
+            self.averager.local_epoch = new_epoch = epoch + 1 if overlapped else max(epoch + 1,
+                                                                                     self.tracker.global_epoch)
+            self.averager.base_group = group_size
+        if overlapped:
+            # Keep the inner steps taken during the round: params += new global - what we sent from.
+            with torch.no_grad():
+                for p, g, sent in zip(self.params, self.global_params, round_["sent_from"]):
+                    p.add_(sent.neg_().add_(g).to(p.device, p.dtype))
+        else:
             self._restart_from_global()
             self.tracker.update_epoch(new_epoch)
             self.samples_in_round = 0
-            self._check_sync = True
-            after = self.averager.wire_stats.snapshot()
-            missing = after["elements_missing"] - before["elements_missing"]
-            diverged = self._diverged(gathered, swarm_peers, missing)
-            if self._minority_base:
-                # Our global parameters (the previous sync's result) were not the majority's:
-                # that sync split the swarm and ours was not the canonical result.
-                with self._rounds_lock:
-                    if self.rounds and self.rounds[-1]["epoch"] == epoch - 1:
-                        self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
-            if not diverged:
-                self._share_state()
-            # A group smaller than the swarm: another group may have stepped from other pseudo-
-            # gradients at the same time. Compare notes once their rounds are over too.
-            if not diverged and group_size < swarm_peers:
-                self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
-        record = {"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers, "seconds": time.perf_counter() - t0,
+        self._check_sync = True
+        after = self.averager.wire_stats.snapshot()
+        missing = after["elements_missing"] - before["elements_missing"]
+        diverged = self._diverged(gathered, swarm_peers, missing)
+        if self._minority_base:
+            # Our global parameters (the previous sync's result) were not the majority's:
+            # that sync split the swarm and ours was not the canonical result.
+            with self._rounds_lock:
+                if self.rounds and self.rounds[-1]["epoch"] == epoch - 1:
+                    self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
+        if not diverged:
+            self._share_state()
+        # A group smaller than the swarm: another group may have stepped from other pseudo-
+        # gradients at the same time. Compare notes once their rounds are over too.
+        if not diverged and group_size < swarm_peers:
+            self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
+        seconds = time.perf_counter() - round_["t0"]
+        record = {"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers, "seconds": seconds,
+                  "overlapped": overlapped, "inner_steps_during": round_.get("inner_steps", 0),
                   "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
                   "aggregate_s": after["aggregate_s"] - before["aggregate_s"],
                   "parts_dropped": after["parts_dropped"] - before["parts_dropped"],
@@ -392,26 +509,34 @@ class DiLoCoOptimizer:
         with self._rounds_lock:
             self.rounds.append(record)
         self._last_round_end = time.monotonic()
-        logger.log(self.status_loglevel, "outer step %d -> %d with %d/%d peers in %.2fs", epoch, new_epoch, group_size,
-                   swarm_peers, record["seconds"])
-        if diverged:
-            self.load_state_from_peers(lost_branch=True)
-        self.blocked_s += time.perf_counter() - t0
+        logger.log(self.status_loglevel, "outer step %d -> %d with %d/%d peers in %.2fs%s", epoch, new_epoch,
+                   group_size, swarm_peers, seconds, " (overlapped with inner steps)" if overlapped else "")
+        return diverged
 
-    def _average(self, weight: int) -> dict | None:
-        """Average the pseudo-gradient buffers with the swarm; the group's gathered data, or None."""
+    def _trigger(self, weight: int):
+        """Start this epoch's round with our weight; its control, or None (alone, or too few
+        peers for the aggregation rule: nobody to wait for)."""
         control = self.scheduled
         self.scheduled = None
-        if control is None or control.triggered or control.done():
-            if self.tracker.global_progress.num_peers < self.config.min_group_size:
-                return None  # alone, or too few for the aggregation rule: nobody to wait for
-            control = self._begin_matchmaking()
-        epoch = self.local_epoch
-        started = time.monotonic()
-        deadline = started + self.config.averaging_timeout_s
         try:
+            if control is None or control.triggered or control.done():
+                if self.tracker.global_progress.num_peers < self.config.min_group_size:
+                    return None
+                control = self._begin_matchmaking()
             control.weight = weight
             control.allow_allreduce()
+            return control
+        except BaseException as e:
+            logger.log(self.status_loglevel, "could not start averaging pseudo-gradients (%r); using this peer's own", e)
+            if control is not None and not control.done():
+                control.cancel()
+            return None
+
+    def _await(self, control, *, started: float, deadline: float, went_on) -> dict | None:
+        """Wait for a started round; the group's gathered data, or None if it failed. Gives up
+        early when ``went_on()`` says the swarm finished the round without us while we still look
+        for a group."""
+        try:
             while True:
                 try:
                     return control.result(min(1.0, max(0.0, deadline - time.monotonic())))
@@ -422,9 +547,8 @@ class DiLoCoOptimizer:
                 # their round went on without us. Stop waiting out the timeout; download their
                 # state while they are still there to serve it (they may be about to leave).
                 if (control.stage == AveragingStage.LOOKING_FOR_GROUP
-                        and time.monotonic() - started > self.config.matchmaking_time_s
-                        and swarm_epoch_now(self.tracker) > epoch):
-                    raise TimeoutError(f"the swarm finished epoch {epoch}'s round without this peer")
+                        and time.monotonic() - started > self.config.matchmaking_time_s and went_on()):
+                    raise TimeoutError("the swarm finished this round without this peer")
         except BaseException as e:
             logger.log(self.status_loglevel, "averaging pseudo-gradients failed (%r); using this peer's own", e)
             if not control.done():
@@ -460,6 +584,21 @@ class DiLoCoOptimizer:
         self._minority_base = mine != canonical
         return self._minority_base
 
+    def _went_on_without_us(self, epoch: int) -> bool:
+        """Whether some peer offers the state of a later epoch than ``epoch``, i.e. finished that
+        epoch's round (progress records cannot tell: overlapped rounds move them on at the start)."""
+        return max(self._offered_priorities(), default=-1.0) >= epoch + 1
+
+    def _offered_priorities(self) -> list[float]:
+        """The state priorities peers offer now (``state_priority``: the epoch is the integer part)."""
+        try:
+            found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
+        except Exception as e:  # the DHT is busy: the round's own timeout still applies
+            logger.debug("could not read the swarm's states: %r", e)
+            return []
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        return [float(v.value) for v in entries.values() if isinstance(getattr(v, "value", None), (int, float))]
+
     def _restart_from_global(self) -> None:
         with torch.no_grad():
             for p, g in zip(self.params, self.global_params):
@@ -481,14 +620,8 @@ class DiLoCoOptimizer:
         epoch = self.local_epoch
         # Computed, not read from the averager: a client-mode peer shares no state but ranks alike.
         mine = self._state_priority()
-        try:
-            found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
-        except Exception as e:  # the DHT is busy: the next round's checks catch a split too
-            logger.debug("could not read the swarm's states: %r", e)
-            return False
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        offers = [float(v.value) for v in entries.values() if isinstance(getattr(v, "value", None), (int, float))]
-        better = [p for p in offers if int(p) == epoch and p > mine + 1e-12]
+        # (If the DHT is busy, no offers: the next round's checks catch a split too.)
+        better = [p for p in self._offered_priorities() if int(p) == epoch and p > mine + 1e-12]
         if not better:
             return False
         logger.warning("the swarm split into groups at epoch %d; taking the largest group's state", epoch)
