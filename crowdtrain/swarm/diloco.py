@@ -406,6 +406,8 @@ class DiLoCoOptimizer:
                 round_.update(control=control, started=time.monotonic(), inner_steps=0,
                               deadline=time.monotonic() + self.config.averaging_timeout_s,
                               sent_from=[p.detach().to("cpu", torch.float32, copy=True) for p in self.params])
+                # When the round ended (the trainer only notices at its next step).
+                control.add_done_callback(lambda _: round_.setdefault("done_at", time.perf_counter()))
                 self.pending = round_
                 self.tracker.update_epoch(epoch + 1)
                 self.samples_in_round = 0
@@ -499,7 +501,7 @@ class DiLoCoOptimizer:
         # gradients at the same time. Compare notes once their rounds are over too.
         if not diverged and group_size < swarm_peers:
             self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
-        seconds = time.perf_counter() - round_["t0"]
+        seconds = round_.get("done_at", time.perf_counter()) - round_["t0"]
         record = {"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers, "seconds": seconds,
                   "overlapped": overlapped, "inner_steps_during": round_.get("inner_steps", 0),
                   "bytes_sent": after["bytes_sent"] - before["bytes_sent"],

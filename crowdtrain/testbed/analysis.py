@@ -171,7 +171,7 @@ def diloco_rounds(result: dict) -> dict:
     slowest = min(min(p["up_bps"], p["down_bps"]) for p in plan["peers"])
     records = [r for s in result["peers"].values() if s for r in s.get("rounds", [])]
     full = [r for r in records if r["group_size"] == len(plan["peers"]) and not r.get("diverged")]
-    out = {"records": len(records), "full_records": len(full),
+    out = {"records": len(records), "full_records": len(full), "overlap": bool(plan["swarm"].get("overlap_outer_round")),
            "floor_s": butterfly_floor_s(len(plan["peers"]), wire, slowest)}
     if full:
         out["round_s_median"] = statistics.median(r["seconds"] for r in full)

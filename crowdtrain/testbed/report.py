@@ -73,16 +73,20 @@ def suite_tables(results: dict) -> str:
     dilocos = [(name, r) for name, r in sorted(results.items()) if "diloco" in r and "per_peer" in r]
     if dilocos:
         out.append("")
-        out.append("DiLoCo mode, 4 peers (compute utilization; pseudo-gradient rounds, trigger to outer step)")
-        out.append(f"{'run':>24} {'link':>7} {'utilization':>12} {'epoch s':>8} {'round s':>8} "
-                   f"{'floor s':>8} {'rounds':>7}")
+        out.append("DiLoCo mode, 4 peers (compute utilization; pseudo-gradient rounds, trigger to outer step;")
+        out.append("waiting: share of time in the optimizer's step, inner AdamW steps included; overlap: "
+                   "overlap_outer_round)")
+        out.append(f"{'run':>24} {'link':>7} {'overlap':>8} {'utilization':>12} {'waiting':>8} {'epoch s':>8} "
+                   f"{'round s':>8} {'floor s':>8} {'rounds':>7}")
         for name, r in dilocos:
             d = r.get("diloco", {})
             spans = [p for p in r["per_peer"].values() if p.get("epochs")]
             epoch = sum(p["span_s"] / p["epochs"] for p in spans) / len(spans) if spans else None
-            out.append(f"{name:>24} {','.join(r['links']):>7} "
-                       f"{_f(r.get('utilization_mean')):>12} {_f(epoch, '.1f'):>8} {_f(d.get('round_s_median'), '.1f'):>8} "
-                       f"{_f(d.get('floor_s'), '.1f'):>8} {d.get('full_records', 0):>7}")
+            waiting = sum(p["wait_share"] for p in spans) / len(spans) if spans else None
+            out.append(f"{name:>24} {','.join(r['links']):>7} {'on' if d.get('overlap') else 'off':>8} "
+                       f"{_f(r.get('utilization_mean')):>12} {_f(waiting):>8} {_f(epoch, '.1f'):>8} "
+                       f"{_f(d.get('round_s_median'), '.1f'):>8} {_f(d.get('floor_s'), '.1f'):>8} "
+                       f"{d.get('full_records', 0):>7}")
     churn = (results.get("churn") or {}).get("churn")
     if churn:
         out.append("")
