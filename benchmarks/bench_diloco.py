@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--overlap-rounds", type=int, nargs="*", default=[5, 10],
                         help="DiLoCo outer rounds to also run with overlap_outer_round")
     parser.add_argument("--skip-sync", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_diloco.json", help="results JSON")
     args = parser.parse_args()
     total = args.epochs * SYNC_TARGET
     tmp = Path(tempfile.mkdtemp(prefix="bench-diloco-"))
@@ -132,8 +133,8 @@ def main() -> None:
         print(f"{n['preset']}: {n['params'] / 1e6:.0f}M params, {n['bytes_per_round_per_peer'] / 1e6:.0f} MB per round "
               f"per peer, {n['transfer_s_at_10mbit']:.0f}s at 10 Mbit/s; blocking rounds need "
               f"{n['compute_s_for_0.95_blocking']:.0f}s of compute between them for 0.95")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "bench_diloco.json"
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"total_samples": total, "initial_loss": start, "step_s": STEP_S, "runs": rows,
                                "bigger_presets": notes},
                               indent=2))

@@ -76,11 +76,12 @@ class SwarmConfig:
     inner_optimizer: str = "adamw"  # "adamw" or "lamb8bit"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    # DiLoCo mode: run each pseudo-gradient round in the background while inner steps go on, and
-    # apply the outer step when it ends, keeping the inner steps taken meanwhile (they count
-    # toward the next round). The trainer then waits only if a round outlasts a whole epoch.
-    # On a 10 Mbit/s uplink a 20M-parameter round takes about 35 s: turn this on when that is
-    # more than a few percent of an epoch.
+    # DiLoCo mode: run each pseudo-gradient round in the background while inner steps go on (from
+    # this peer's estimate of the outer step), and apply the outer step when it ends, keeping the
+    # inner steps taken meanwhile (they count toward the next round). The trainer then waits
+    # only if a round outlasts a whole epoch. On a 10 Mbit/s uplink a 20M-parameter round takes
+    # about 37 s. Costs some loss per sample (staleness): worth it when rounds would otherwise
+    # take a large share of the wall time.
     overlap_outer_round: bool = False
     # How each peer combines what it reduces: "mean" or "centered_clip" (robust to attackers).
     aggregation: str = "mean"

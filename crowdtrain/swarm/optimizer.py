@@ -396,13 +396,14 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
 
     ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends. ``signer``
     (this peer's, from ``crowdtrain.swarm.metrics.make_validators``) signs its round records.
-    ``final_epoch``: the epoch at which this peer will leave (sync mode skips the state round there).
+    ``final_epoch``: the epoch at which this peer will leave (sync mode skips the state round there;
+    DiLoCo mode starts no round past it).
     """
     if config.mode == "diloco":
         from crowdtrain.swarm.diloco import DiLoCoOptimizer
 
         return DiLoCoOptimizer(dht=dht, model=model, config=config, batch_size=batch_size, client_mode=client_mode,
-                               attack=attack, verbose=verbose, access_guard=access_guard)
+                               attack=attack, verbose=verbose, access_guard=access_guard, final_epoch=final_epoch)
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
         access_guard=access_guard, give_up_s=config.load_state_give_up_s, signer=signer, final_epoch=final_epoch,
