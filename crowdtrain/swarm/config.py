@@ -18,7 +18,8 @@ peer steps its ``inner_optimizer`` on each local batch; one global epoch = one o
 step (``outer_lr``, ``outer_momentum``) on the averaged pseudo-gradient, taken when the swarm
 together has processed ``target_batch_size`` samples. ``lr``, ``betas``, ``eps``,
 ``weight_decay``, ``clip_grad_norm`` and the schedule then apply to the inner optimizer;
-``average_state_every``, ``delay_optimizer_step`` and ``offload_optimizer`` to sync mode only.
+``average_state_every``, ``delay_optimizer_step`` and ``offload_optimizer`` to sync mode only;
+``overlap_outer_round`` to DiLoCo mode only (its counterpart of delayed updates).
 
 Aggregation (``aggregation``, ``crowdtrain.swarm.robust``): how each peer combines the parts
 it reduces in the butterfly all-reduce, in both modes: ``mean`` or ``centered_clip``

@@ -297,8 +297,10 @@ class DiLoCoOptimizer:
                 self.blocked_s += time.perf_counter() - t0
                 if not finished:
                     return  # the round failed or lost a split: we restarted from the swarm's state
-                if self.final_epoch is not None and self.local_epoch >= self.final_epoch:
-                    return  # we leave now: a round started here would leave the others one short
+            if self.final_epoch is not None and self.local_epoch >= self.final_epoch:
+                # We leave now (an overlapped round just ended): a round started here would run
+                # alone or leave a groupmate one short, and end us on another model than the swarm's.
+                return
             self._outer_step()
 
     def load_state_from_peers(self, *, lost_branch: bool = False) -> None:
