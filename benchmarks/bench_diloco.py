@@ -16,7 +16,7 @@ summed over peers): gradients + parameter averaging in sync mode, pseudo-gradien
 mode; matchmaking and DHT traffic are not counted. Loss is the held-out loss of each peer's
 final weights (mean over peers). Compute utilization is measured on loopback (1 - time blocked
 in averaging / total) and projected for a 10 Mbit/s uplink by adding each round's bytes / 1.25
-MB/s to the blocked time; the measured 10 Mbit/s figure awaits the network testbed (issue 7).
+MB/s to the blocked time; the measured 10 Mbit/s figures are in docs/testbed.md.
 
 ``--overlap-rounds`` adds DiLoCo runs with ``overlap_outer_round`` (inner steps go on during
 each round, one-round-late outer steps) at those R, to show what the overlap costs in loss.
@@ -40,16 +40,14 @@ from crowdtrain.swarm.compression import wire_bytes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STEP_S = 0.3  # real steps of `tiny` at batch 16 take 0.1-0.3 s here with three peers on two cores
+SYNC_TARGET = 384
+UPLINK_BYTES_PER_S = 10e6 / 8
+COMMON = {"matchmaking_time_s": 3.0, "averaging_timeout_s": 30.0, "checkpoint_every_epochs": 100000}
 
 
 def paced_peers(tmp: Path) -> list[tuple[str, int, list[str]]]:
     return [(n, 16, ["--simulated-step-s", str(STEP_S), "--identity", str(tmp / "identities" / f"{n}.key")])
             for n in ("a", "b", "c")]
-
-
-SYNC_TARGET = 384
-UPLINK_BYTES_PER_S = 10e6 / 8
-COMMON = {"matchmaking_time_s": 3.0, "averaging_timeout_s": 30.0, "checkpoint_every_epochs": 100000}
 
 
 def summarise(label: str, result: dict, *, rounds_expected: int, h: float | None) -> dict:

@@ -18,6 +18,18 @@ def digest_of(path) -> str:
     return params_digest([p for group in param_groups(model, 0.0) for p in group["params"]])
 
 
+def digests_by_epoch(summaries: dict[str, dict], *, skip_overtaken: bool) -> dict[int, dict[str, str]]:
+    """Per epoch, each peer's global-parameter digest right after that sync, from its summary;
+    rounds it knows lost a split (``diverged``) left out, and with ``skip_overtaken`` those it
+    could not compare before the swarm moved on."""
+    by_epoch: dict[int, dict[str, str]] = {}
+    for name, s in summaries.items():
+        for r in s["rounds"]:
+            if not r["diverged"] and not (skip_overtaken and r.get("overtaken")):
+                by_epoch.setdefault(r["epoch"], {})[name] = r["params_sha"]
+    return by_epoch
+
+
 @pytest.mark.timeout(420)
 def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_up(swarm_factory):
     # Rounds of 768 samples: about 16 inner steps per peer, several matchmaking windows.
@@ -43,11 +55,7 @@ def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_
     # the swarm that the swarm stepped past before the peer could compare (``overtaken``: seen
     # once, a newcomer and a peer back from a failed round made a group of two while the others
     # made theirs; the newcomer then downloaded the next epoch's state). Those must stay rare.
-    by_epoch: dict[int, dict[str, str]] = {}
-    for name, s in summaries.items():
-        for r in s["rounds"]:
-            if not r["diverged"] and not r.get("overtaken"):
-                by_epoch.setdefault(r["epoch"], {})[name] = r["params_sha"]
+    by_epoch = digests_by_epoch(summaries, skip_overtaken=True)
     for epoch, digests in by_epoch.items():
         assert len(set(digests.values())) == 1, (epoch, digests)
     assert sum(r.get("overtaken", False) for s in summaries.values() for r in s["rounds"]) <= 2, summaries
@@ -110,12 +118,7 @@ def test_overlapped_outer_rounds_train_on_during_the_round_and_still_agree(swarm
     for name in names:
         assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
     summaries = {n: swarm.summary(n) for n in names}
-    by_epoch: dict[int, dict[str, str]] = {}
-    for name, s in summaries.items():
-        for r in s["rounds"]:
-            if not r["diverged"]:
-                by_epoch.setdefault(r["epoch"], {})[name] = r["params_sha"]
-    for epoch, digests in by_epoch.items():
+    for epoch, digests in digests_by_epoch(summaries, skip_overtaken=False).items():
         assert len(set(digests.values())) == 1, (epoch, digests)
     rounds = [r for s in summaries.values() for r in s["rounds"]]
     assert sum(r["group_size"] == 3 for r in rounds) >= epochs, rounds  # most rounds had everyone
