@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -13,7 +14,7 @@ from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.service import create_app
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
-from crowdtrain.swarm.compression import PaperCompression, wire_bytes
+from crowdtrain.swarm.compression import PaperCompression, Uniform8Bit, wire_bytes
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, unflatten_optimizer_state
 
@@ -21,7 +22,7 @@ from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, unfla
 def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():
     policy = PaperCompression(threshold=2**16)
     choose = lambda t: type(policy.choose_compression(CompressionInfo.from_tensor(t)))
-    assert choose(torch.zeros(2**16)) is Uniform8BitQuantization
+    assert choose(torch.zeros(2**16)) is Uniform8Bit
     assert choose(torch.zeros(2**16 - 1)) is Float16Compression
     assert choose(torch.zeros(2**20, dtype=torch.uint8)) is NoCompression  # 8-bit optimizer codes
     big = torch.randn(2**16)
@@ -32,6 +33,27 @@ def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():
     assert torch.equal(policy.extract(policy.compress(codes, CompressionInfo.from_tensor(codes))), codes)
     # Bytes on the wire: 1 byte per element (plus a codebook) vs 4 for fp32.
     assert wire_bytes([2**20]) / (4 * 2**20) < 0.26 and wire_bytes([1000]) == 2000
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_8bit_messages_decode_to_hiveminds_values_through_hiveminds_own_entry_point(dtype):
+    """crowdtrain's faster 8-bit decoder is the one hivemind's deserializer uses, and a message
+    from a peer running plain hivemind decodes to the very same values."""
+    from hivemind.compression import deserialize_torch_tensor
+
+    torch.manual_seed(0)
+    stock = Uniform8BitQuantization()
+    tensor = (torch.randn(3, 70001) * 0.02).to(dtype)
+    message = stock.compress(tensor, CompressionInfo.from_tensor(tensor))
+    expected = stock.extract(message)
+    for decoded in (deserialize_torch_tensor(message), Uniform8Bit().extract(message)):
+        assert decoded.dtype == dtype and decoded.shape == tensor.shape and torch.equal(decoded, expected)
+    # A codebook shorter than the codes (a malformed or malicious message) is an error, not garbage.
+    message.buffer = np.int64(4).tobytes() + np.zeros(4, np.float32).tobytes() + bytes([0, 1, 200] * 10)
+    message.ClearField("size")
+    message.size.extend([30])
+    with pytest.raises(IndexError):
+        deserialize_torch_tensor(message)
 
 
 def test_a_downloaded_lamb8bit_state_steps_exactly_as_the_original():

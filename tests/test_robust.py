@@ -10,7 +10,7 @@ import torch
 from crowdtrain.swarm.attacks import ATTACKS, attack_from_fault, parse_fault
 from crowdtrain.swarm.config import AGGREGATIONS, SwarmConfig
 from crowdtrain.swarm.robust import (AGGREGATORS, CenteredClipAggregator, MeanAggregator, RobustTensorPartReducer,
-                                     WireStats, centered_clip, make_aggregator)
+                                     WireStats, centered_clip, finite_part, make_aggregator)
 
 
 def honest_parts(n=6, d=500, seed=0):
@@ -90,6 +90,19 @@ def test_settings_are_validated_and_every_name_has_a_rule():
 def test_the_nan_attack_is_non_finite_everywhere():
     crafted = ATTACKS["nan"]().craft(torch.ones(7))
     assert not torch.isfinite(crafted).any() and torch.isnan(crafted).any() and torch.isinf(crafted).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_parts_finite_check_finds_one_bad_value_and_keeps_huge_finite_parts(dtype):
+    part = torch.randn(100_003).to(dtype)
+    assert finite_part(part)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = part.clone()
+        broken[77_777] = bad
+        assert not finite_part(broken)
+    # Finite values whose sum overflows (the fast path's inf) are still finite.
+    huge = torch.full((1000,), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert finite_part(huge) and finite_part(-huge)
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)

@@ -8,19 +8,64 @@ download) are sent exactly too: the 8-bit LAMB's per-block scales of its second 
 took steps of ``m / eps`` in a few weights (seen: weights of 0.1 jumping to 1.7 in one step). They
 are small beside the model (one float per 256 one-byte codes), so exactness costs little.
 hivemind serializes tensors into protobuf messages: data, never pickled code.
+
+Decoding 8-bit messages is the one codec step crowdtrain does itself (:class:`Uniform8Bit`): the
+same wire format and the same values as hivemind's, 3x faster, installed at import into
+hivemind's table of decoders so that every averager uses it.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
+import torch
 from hivemind.compression import (CompressionBase, CompressionInfo, Float16Compression, NoCompression,
                                   TensorRole, Uniform8BitQuantization)
+from hivemind.compression import serialization as _serialization
 from hivemind.compression.adaptive import AdaptiveCompressionBase
+from hivemind.proto import runtime_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class Uniform8Bit(Uniform8BitQuantization):
+    """hivemind's UNIFORM_8BIT (256-entry codebook + one byte per value), decoded with a NumPy
+    gather on the one-byte codes. hivemind widens the codes to int64 first (8 bytes per value)
+    and indexes with torch: 1.2 ms per 512 KiB part against 0.4 ms here, and a peer decodes
+    about 1.5 copies of the model per round. The values are bit-identical."""
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        if serialized_tensor.dtype == "bfloat16":  # NumPy has no bfloat16
+            return super().extract(serialized_tensor)
+        buffer = serialized_tensor.buffer
+        size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buffer, offset=8, count=size, dtype=self.codebook_dtype)
+        codes = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        values = np.take(codebook.astype(serialized_tensor.dtype, copy=False), codes)  # IndexError if a code >= size
+        return torch.from_numpy(values).reshape(tuple(serialized_tensor.size)).requires_grad_(
+            serialized_tensor.requires_grad)
+
+
+def install_fast_decoder() -> bool:
+    """Make hivemind decode UNIFORM_8BIT messages with :class:`Uniform8Bit`. hivemind looks the
+    decoder up by the message's compression type in a module table; if a hivemind release
+    renames the table, its own decoder stays in place (same values, slower) and this says so."""
+    table = getattr(_serialization, "_BASE_COMPRESSION_TYPES", None)
+    if not isinstance(table, dict) or type(table.get("UNIFORM_8BIT")) not in (Uniform8BitQuantization, Uniform8Bit):
+        logger.warning("hivemind's decoder table changed: 8-bit messages are decoded by hivemind's slower codec")
+        return False
+    table["UNIFORM_8BIT"] = Uniform8Bit()
+    return True
+
+
+install_fast_decoder()
 
 
 class PaperCompression(AdaptiveCompressionBase):
     def __init__(self, threshold: int = 2**16):
         self.threshold = threshold
-        self.small, self.large, self.exact = Float16Compression(), Uniform8BitQuantization(), NoCompression()
+        self.small, self.large, self.exact = Float16Compression(), Uniform8Bit(), NoCompression()
 
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:
         if not info.descriptor.dtype.is_floating_point or info.role == TensorRole.OPTIMIZER:
