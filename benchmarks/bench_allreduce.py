@@ -9,8 +9,9 @@ the all-reduce alone. Between a round's start and 4 s later the CPU time of ever
 machine is read from /proc, split into the Python processes and the p2p daemons.
 
 Two codecs, alternated run by run in one session (this machine is shared and noisy):
-- ``hivemind``: hivemind's UNIFORM_8BIT decoder and an elementwise NaN/inf check of each part;
-- ``crowdtrain``: :class:`crowdtrain.swarm.compression.Uniform8Bit`'s decoder and
+- ``hivemind``: hivemind's UNIFORM_8BIT encoder and decoder, and an elementwise NaN/inf check of
+  each part in the reducer (crowdtrain before 2026-11-24);
+- ``crowdtrain``: :class:`crowdtrain.swarm.compression.Uniform8Bit` and
   :func:`crowdtrain.swarm.robust.finite_part` (what crowdtrain runs).
 
     python benchmarks/bench_allreduce.py [--peers 4] [--rounds 6] [--repeats 2]
@@ -45,6 +46,7 @@ def use_codec(codec: str) -> None:
 
     if codec == "hivemind":
         serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8BitQuantization()
+        compression.Uniform8Bit.quantize = Uniform8BitQuantization.quantize
         robust.finite_part = lambda part: bool(robust.torch.isfinite(part).all())
     else:
         assert compression.install_fast_decoder()

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -37,8 +38,8 @@ def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_8bit_messages_decode_to_hiveminds_values_through_hiveminds_own_entry_point(dtype):
-    """crowdtrain's faster 8-bit decoder is the one hivemind's deserializer uses, and a message
-    from a peer running plain hivemind decodes to the very same values."""
+    """crowdtrain's faster 8-bit decoder is the one hivemind's deserializer uses, a message from a
+    peer running plain hivemind decodes to the very same values, and such a peer reads ours."""
     from hivemind.compression import deserialize_torch_tensor
 
     torch.manual_seed(0)
@@ -48,6 +49,15 @@ def test_8bit_messages_decode_to_hiveminds_values_through_hiveminds_own_entry_po
     expected = stock.extract(message)
     for decoded in (deserialize_torch_tensor(message), Uniform8Bit().extract(message)):
         assert decoded.dtype == dtype and decoded.shape == tensor.shape and torch.equal(decoded, expected)
+    # Our encoder, read by a peer running plain hivemind: as accurate as hivemind's own encoder, and
+    # without the deprecated torch.quantize_per_tensor (an error here: warnings are errors below).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = Uniform8Bit().compress(tensor, CompressionInfo.from_tensor(tensor))
+    ours_error = (stock.extract(ours).float() - tensor.float()).pow(2).mean()
+    assert ours_error <= 1.01 * (expected.float() - tensor.float()).pow(2).mean() and ours_error < 1e-3 * tensor.float().var()
+    constant = torch.full((2**16,), 3.0, dtype=dtype)
+    assert torch.equal(stock.extract(Uniform8Bit().compress(constant, CompressionInfo.from_tensor(constant))), constant)
     # A codebook shorter than the codes (a malformed or malicious message) is an error, not garbage.
     message.buffer = np.int64(4).tobytes() + np.zeros(4, np.float32).tobytes() + bytes([0, 1, 200] * 10)
     message.ClearField("size")

@@ -9,14 +9,15 @@ took steps of ``m / eps`` in a few weights (seen: weights of 0.1 jumping to 1.7 
 are small beside the model (one float per 256 one-byte codes), so exactness costs little.
 hivemind serializes tensors into protobuf messages: data, never pickled code.
 
-Decoding 8-bit messages is the one codec step crowdtrain does itself (:class:`Uniform8Bit`): the
-same wire format and the same values as hivemind's, 3x faster, installed at import into
-hivemind's table of decoders so that every averager uses it.
+The 8-bit codec is crowdtrain's own (:class:`Uniform8Bit`): hivemind's UNIFORM_8BIT wire format
+and algorithm, 20% faster to encode and 3x faster to decode, the decoder installed at import
+into hivemind's table so that every averager uses it (`benchmarks/bench_allreduce.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -30,10 +31,29 @@ logger = logging.getLogger(__name__)
 
 
 class Uniform8Bit(Uniform8BitQuantization):
-    """hivemind's UNIFORM_8BIT (256-entry codebook + one byte per value), decoded with a NumPy
-    gather on the one-byte codes. hivemind widens the codes to int64 first (8 bytes per value)
-    and indexes with torch: 1.2 ms per 512 KiB part against 0.4 ms here, and a peer decodes
-    about 1.5 copies of the model per round. The values are bit-identical."""
+    """hivemind's UNIFORM_8BIT: codes = round((x - mean) / scale) + 128 clamped to a byte, with
+    ``scale = 6 std / 256``, and a 256-entry codebook of each code's mean value.
+
+    Encoding: the codes are rounded with plain tensor ops (hivemind uses
+    ``torch.quantize_per_tensor``, deprecated in PyTorch 2.13: a warning in every averager and a
+    removal to come), and each code's sum and count are two ``bincount`` passes on the one-byte
+    codes instead of widening them to int64 for a ``scatter_add``. Decoding is a NumPy gather on
+    the one-byte codes (hivemind widens them to int64 and indexes with torch: 1.2 ms per 512 KiB
+    part against 0.4 ms here); the decoded values are bit-identical to hivemind's."""
+
+    def quantize(self, tensor: torch.Tensor, allow_inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        values = tensor.detach().float().reshape(-1)
+        shift = values.mean()
+        centered = values - shift
+        scale = self.RANGE_IN_SIGMAS * centered.norm() / math.sqrt(max(1, centered.numel() - 1)) / self.n_bins
+        offset = self.n_bins // 2
+        if scale > 0:  # (a constant tensor has one code; NaN or inf compare False and decode as NaN)
+            codes = centered.mul_(1.0 / scale).round_().add_(offset).clamp_(0, self.n_bins - 1).to(torch.uint8)
+        else:
+            codes = torch.full_like(values, offset, dtype=torch.uint8)
+        counts = torch.bincount(codes, minlength=self.n_bins).clamp_min_(1)
+        codebook = (torch.bincount(codes, weights=values, minlength=self.n_bins) / counts).to(torch.float32)
+        return codes.numpy(), codebook.numpy()
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         if serialized_tensor.dtype == "bfloat16":  # NumPy has no bfloat16
