@@ -58,6 +58,10 @@ def test_8bit_messages_decode_to_hiveminds_values_through_hiveminds_own_entry_po
     assert ours_error <= 1.01 * (expected.float() - tensor.float()).pow(2).mean() and ours_error < 1e-3 * tensor.float().var()
     constant = torch.full((2**16,), 3.0, dtype=dtype)
     assert torch.equal(stock.extract(Uniform8Bit().compress(constant, CompressionInfo.from_tensor(constant))), constant)
+    for bad in (float("nan"), float("inf")):  # decodes as non-finite, so reducers drop it
+        broken = tensor.clone()
+        broken[1, 5] = bad
+        assert not torch.isfinite(stock.extract(Uniform8Bit().compress(broken, CompressionInfo.from_tensor(broken)))).any()
     # A codebook shorter than the codes (a malformed or malicious message) is an error, not garbage.
     message.buffer = np.int64(4).tobytes() + np.zeros(4, np.float32).tobytes() + bytes([0, 1, 200] * 10)
     message.ClearField("size")

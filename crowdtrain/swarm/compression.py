@@ -47,7 +47,9 @@ class Uniform8Bit(Uniform8BitQuantization):
         centered = values - shift
         scale = self.RANGE_IN_SIGMAS * centered.norm() / math.sqrt(max(1, centered.numel() - 1)) / self.n_bins
         offset = self.n_bins // 2
-        if scale > 0:  # (a constant tensor has one code; NaN or inf compare False and decode as NaN)
+        # A constant tensor gets one code. So does one with NaN or inf; its codebook entry is then
+        # NaN or inf too, so it decodes as non-finite and reducers drop it.
+        if torch.isfinite(scale) and scale > 0:
             codes = centered.mul_(1.0 / scale).round_().add_(offset).clamp_(0, self.n_bins - 1).to(torch.uint8)
         else:
             codes = torch.full_like(values, offset, dtype=torch.uint8)
