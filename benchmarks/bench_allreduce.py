@@ -37,7 +37,7 @@ CODECS = ("hivemind", "crowdtrain")
 
 
 def use_codec(codec: str) -> None:
-    """Put the named codec in place in this process (the peers fork after it)."""
+    """Put the named codec in place in this peer process, before it starts its averager (which forks)."""
     from hivemind.compression import Uniform8BitQuantization
     from hivemind.compression import serialization
 
