@@ -63,7 +63,7 @@ def one_run(tmp: Path, mode: str, aggregation: str, attack: str | None, repeat: 
     result = run(tmp / f"{mode}-{aggregation}-{attack or 'clean'}-{repeat}", swarm={**swarm, "aggregation": aggregation},
                  peers=peers, epochs=epochs)
     honest = {n: result["eval_loss"][n] for n in ("a", "b", "c")}
-    reducer_s, rounds, dropped = 0.0, 0, 0
+    reducer_s, rounds, dropped, suspected = 0.0, 0, 0, 0
     round_s = []
     for name in ("a", "b", "c"):
         stats = result["summaries"][name]["averaging"]
@@ -71,10 +71,14 @@ def one_run(tmp: Path, mode: str, aggregation: str, attack: str | None, repeat: 
         reducer_s += part["aggregate_s"]
         rounds += part["rounds"]
         dropped += part["parts_dropped"]
+        suspected += part.get("suspects_found", 0)
         round_s += [r["seconds"] for r in result["summaries"][name]["rounds"] if "seconds" in r]
     return {"mode": mode, "aggregation": aggregation, "attack": attack or "none",
             "loss": sum(honest.values()) / 3, "losses": honest, "reducer_s_per_round": reducer_s / max(1, rounds),
             "round_s": sum(round_s) / len(round_s) if round_s else None, "parts_dropped": dropped,
+            # Rounds (summed over the honest peers) after which a peer found the attacker suspect,
+            # and the samples the honest peers processed (with the attacker's counted: 3/4 of the target).
+            "suspected": suspected, "honest_samples": sum(result["summaries"][n]["samples"] for n in ("a", "b", "c")),
             "wall_s": result["wall_s"], "codes": result["codes"], "step_s": STEP_S, "epochs": epochs,
             "steps_over_budget": sum(result["summaries"][n].get("over_budget_steps", 0) for n in ("a", "b", "c"))}
 
@@ -124,6 +128,13 @@ def print_table(mode: str, runs: list[dict], start: float) -> None:
                 reference = sum(clean[aggregation]) / len(clean[aggregation])
                 cells.append(f"{same[repeat]['loss']:.3f} ({100 * (same[repeat]['loss'] / reference - 1):+.1f}%)")
             print(f"{attack:<11}{cells[0]:>22}{cells[1]:>22}")
+    print("samples the three honest peers processed, and (in brackets) rounds after which an honest peer found the "
+          "attacker suspect, summed over them")
+    for attack in ["none", *ATTACKS]:
+        cells = [", ".join(f"{r.get('honest_samples', '-')} ({r.get('suspected', '-')})" for r in mine
+                           if r["attack"] == attack and r["aggregation"] == aggregation) or "-"
+                 for aggregation in ("mean", "centered_clip")]
+        print(f"{attack:<11}{cells[0]:>28}{cells[1]:>28}")
     per_round = {a: [r["reducer_s_per_round"] for r in mine if r["aggregation"] == a] for a in ("mean", "centered_clip")}
     if all(per_round.values()):
         means = {a: sum(v) / len(v) for a, v in per_round.items()}

@@ -155,6 +155,12 @@ def test_centered_clip_keeps_a_scaling_attacker_from_derailing_diloco(swarm_fact
     assert any(r["group_size"] == 4 for r in rounds), rounds  # the attacker was in the groups
     honest = swarm.summary("a")["averaging"]["pseudo_gradients"]
     assert honest["parts_reduced"] > 0 and honest["bytes_sent"] > 0
+    # After the first round the attacker is suspect to every honest peer, and its samples no
+    # longer count toward the target: the honest peers themselves process the whole target batch
+    # in later rounds (counting its samples, they would stop at 3/4 of it every round).
+    assert honest["suspects_found"] >= epochs - 1, honest
+    samples = sum(swarm.summary(n)["samples"] for n in "abc")
+    assert samples >= (epochs - 1) * 768 + 3 / 4 * 768, samples
 
 
 def test_the_outer_state_survives_a_pickle_free_checkpoint(tmp_path):

@@ -10,7 +10,8 @@ import torch
 from crowdtrain.swarm.attacks import ATTACKS, attack_from_fault, parse_fault
 from crowdtrain.swarm.config import AGGREGATIONS, SwarmConfig
 from crowdtrain.swarm.robust import (AGGREGATORS, CenteredClipAggregator, MeanAggregator, RobustTensorPartReducer,
-                                     WireStats, centered_clip, finite_part, make_aggregator)
+                                     SuspectAwareProgressTracker, SuspectPeers, WireStats, centered_clip, finite_part,
+                                     make_aggregator)
 
 
 def honest_parts(n=6, d=500, seed=0):
@@ -54,6 +55,76 @@ def test_centered_clip_aggregator_resists_every_attack_and_the_mean_does_not():
         assert (mean - honest).norm() > 10 * spread, name
 
 
+def test_centered_clip_judges_every_crafted_part_an_outlier_and_honest_parts_not():
+    # Honest parts: a shared signal plus as much per-peer noise (gradients at low signal-to-noise),
+    # one sender with twice the noise (a peer with a smaller batch).
+    g = torch.Generator().manual_seed(1)
+    rule = CenteredClipAggregator()
+    false_alarms = 0
+    for trial in range(50):
+        signal = torch.randn(2000, generator=g)
+        parts = [signal + torch.randn(2000, generator=g) * (2.0 if i == 0 else 1.0) for i in range(4)]
+        false_alarms += sum(rule.aggregate_and_judge(parts, [16.0] * 4)[1])
+        for name in ("scale", "sign_flip", "noise", "bias"):
+            crafted = parts[:3] + [ATTACKS[name]().craft(parts[3].clone())]
+            _, outliers = rule.aggregate_and_judge(crafted, [16.0] * 4)
+            assert outliers == [False, False, False, True], (name, trial)
+    assert false_alarms == 0
+    # Identical parts (all zero, e.g. a frozen tensor's gradient) are not outliers.
+    assert rule.aggregate_and_judge([torch.zeros(8)] * 3, [1.0] * 3)[1] == [False] * 3
+    # ``mean`` judges nobody (its reducer still drops non-finite parts).
+    assert MeanAggregator().aggregate_and_judge(crafted, [1.0] * 4)[1] == [False] * 4
+
+
+def _mark(suspects, verdicts):
+    suspects.update(verdicts)
+
+
+def test_suspect_peers_are_shared_with_another_process_and_cleared_by_a_normal_round():
+    import multiprocessing as mp
+
+    suspects = SuspectPeers()
+    a, b = b"\x12\x20" + bytes(range(32)), b"\x00\x24" + bytes(36 * [7])
+    process = mp.get_context("fork").Process(target=_mark, args=(suspects, {a: True, b: True}))
+    process.start()
+    process.join(10)
+    assert process.exitcode == 0 and suspects.snapshot() == {a, b}
+    suspects.update({a: False, b"other": False})
+    assert suspects.snapshot() == {b}
+    suspects.update({b: True})  # already suspect: one slot still
+    assert suspects.snapshot() == {b} and suspects._entries().count(b) == 1
+    with pytest.raises(ValueError, match="does not fit"):
+        suspects.update({bytes(64): True})
+
+
+def test_the_progress_tracker_does_not_count_a_suspects_samples_toward_the_target():
+    import hivemind
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    dht = hivemind.DHT(start=True)
+    suspects = SuspectPeers()
+    tracker = SuspectAwareProgressTracker(dht=dht, prefix="suspects", target_batch_size=100, suspects=suspects,
+                                          start=True)
+    try:
+        now = get_dht_time()
+
+        def record(peer: bytes, samples: int):
+            progress = LocalTrainingProgress(peer_id=peer, epoch=3, samples_accumulated=samples,
+                                             samples_per_second=10.0, time=now, client_mode=False)
+            return ValueWithExpiration(progress.dict(), now + 60)
+
+        metadata = {b"key-honest": record(b"honest", 40), b"key-evil": record(b"evil", 50)}
+        assert tracker._parse_swarm_progress_data(metadata).samples_accumulated == 90
+        suspects.update({b"evil": True})
+        progress = tracker._parse_swarm_progress_data(metadata)
+        assert progress.samples_accumulated == 40 and progress.num_peers == 2 and progress.epoch == 3
+        assert metadata[b"key-evil"].value["samples_accumulated"] == 50  # the DHT's record is left as it was
+    finally:
+        tracker.shutdown(5)
+        dht.shutdown()
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16, 17])
 def test_coordinate_median_matches_torch(n):
     from crowdtrain.swarm.robust import coordinate_median
@@ -75,11 +146,12 @@ def test_settings_are_validated_and_every_name_has_a_rule():
     assert set(AGGREGATIONS) == set(AGGREGATORS)
     assert isinstance(make_aggregator(SwarmConfig(aggregation="centered_clip")), CenteredClipAggregator)
     for bad in (dict(aggregation="median"), dict(mode="async"), dict(clip_radius=0), dict(clip_iterations=0),
-                dict(outer_momentum=1.0), dict(inner_optimizer="sgd")):
+                dict(outer_momentum=1.0), dict(inner_optimizer="sgd"), dict(outlier_distance=1.0)):
         with pytest.raises(ValueError):
             SwarmConfig(**bad)
-    config = SwarmConfig(mode="diloco", aggregation="centered_clip", clip_radius=2.0)
+    config = SwarmConfig(mode="diloco", aggregation="centered_clip", clip_radius=2.0, outlier_distance=3.0)
     assert SwarmConfig.from_dict(config.to_dict()) == config  # travels in the run config as JSON
+    assert make_aggregator(config).outlier_distance == 3.0
     for name in ATTACKS:
         assert type(attack_from_fault(f"attack={name}")).name == name
     for bad in ("attack=flood", "nan-every=0", "nan"):
@@ -118,14 +190,17 @@ def test_the_reducer_drops_non_finite_parts_and_zero_weights_whatever_the_rule(a
         weights = [1.0, 1.0, 1.0, 0.0]  # the last sender tags along with zero weight
         results = await asyncio.gather(*[reducer.accumulate_part(i, 0, first[i], weights[i]) for i in range(4)])
         results2 = await asyncio.gather(*[reducer.accumulate_part(i, 1, second[i], weights[i]) for i in range(4)])
-        return results, results2, stats.snapshot()
+        return results, results2, stats.snapshot(), reducer.suspects()
 
-    results, results2, stats = asyncio.run(run())
+    results, results2, stats, suspects = asyncio.run(run())
     for r in results:
         assert torch.allclose(r, 2 * torch.ones(4))  # mean of 1 and 3: the NaN part and the zero weight left out
     for r in results2:
         assert torch.allclose(r, torch.ones(2))
     assert stats["parts_dropped"] == 2 and stats["parts_reduced"] == 2
+    # Suspect: most of a sender's judged parts rejected. The third sender: one NaN part of two;
+    # the fourth: its finite zero-weight part is not judged, its inf part is.
+    assert suspects == [False, False, False, True]
 
 
 @pytest.mark.timeout(180)
@@ -166,6 +241,14 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
         assert (results[0][0] - honest[0]).norm() < spread, "the scaled part was not clipped"
         stats = averagers[0].wire_stats.snapshot()
         assert stats["bytes_sent"] > 3 / 4 * 300 * 300 and stats["rounds"] == 1  # 8-bit: ~1 byte per element
+        # Every honest peer that reduced a slice found the attacker's part of it outlying: the
+        # attacker is suspect to it. (hivemind gives these two tensors to two of the four reducers.)
+        evil = averagers[3].peer_id.to_bytes()
+        judges = [a for a in averagers[:3] if a.wire_stats.snapshot()["parts_reduced"] > 0]
+        assert judges
+        for a in averagers[:3]:
+            assert a.suspects.snapshot() == ({evil} if a in judges else frozenset())
+            assert a.wire_stats.snapshot()["suspects_found"] == (a in judges)
     finally:
         for a in averagers:
             a.shutdown()
@@ -219,6 +302,10 @@ def test_the_gradient_averager_gets_the_runs_matchmaking_options():
             kwargs = averager.matchmaking_kwargs
             assert kwargs["request_timeout"] < kwargs["min_matchmaking_time"] == config.matchmaking_time_s
             assert kwargs["min_group_size"] == config.min_group_size == 3
+        # Gradient rounds judge suspects for the tracker; parameter rounds do not (a peer that
+        # missed a round holds honestly different parameters).
+        assert isinstance(opt.tracker, SuspectAwareProgressTracker)
+        assert opt.tracker.suspects is opt.grad_averager.suspects is not opt.state_averager.suspects
     finally:
         opt.shutdown()
         dht.shutdown()

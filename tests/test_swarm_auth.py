@@ -96,3 +96,20 @@ def test_allowlist_run_admits_keys_refuses_strangers_revokes_and_keeps_its_histo
         assert board_after["bob"]["revoked"]
     finally:
         swarm.close()
+
+
+def test_an_identity_file_fixes_the_peer_id_in_an_open_run_too(tmp_path):
+    # Open runs (no auth) used to ignore --identity: a fresh peer ID, and with it another data
+    # order, every time (bench_robust relies on fixed ones).
+    from crowdtrain.swarm.peer import VolunteerConfig, _Access
+
+    config = VolunteerConfig("http://127.0.0.1:1", identity=str(tmp_path / "keys" / "me.key"))
+    ids = []
+    for _ in range(2):
+        access = _Access(config, {}, "open-run")
+        dht = hivemind.DHT(start=True, **access.dht_kwargs())
+        ids.append(dht.peer_id)
+        dht.shutdown()
+        access.close()
+    assert ids[0] == ids[1] and (tmp_path / "keys" / "me.key").is_file()
+    assert _Access(VolunteerConfig("http://127.0.0.1:1"), {}, "open-run").dht_kwargs() == {}

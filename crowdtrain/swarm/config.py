@@ -24,7 +24,9 @@ together has processed ``target_batch_size`` samples. ``lr``, ``betas``, ``eps``
 Aggregation (``aggregation``, ``crowdtrain.swarm.robust``): how each peer combines the parts
 it reduces in the butterfly all-reduce, in both modes: ``mean`` or ``centered_clip``
 (``clip_radius`` in units of the parts' median spread, ``clip_iterations``). Parts with NaN or
-inf are dropped whatever the rule.
+inf are dropped whatever the rule. A sender whose parts were mostly dropped or (``centered_clip``,
+``outlier_distance``) outliers in a round is suspect: its samples stop counting toward
+``target_batch_size`` until its parts look normal again.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class SwarmConfig:
     aggregation: str = "mean"
     clip_radius: float = 1.0  # centered_clip: multiple of the median distance of the parts from their median
     clip_iterations: int = 3
+    # centered_clip: a part farther than this many median distances from the median is an outlier.
+    # A sender whose parts were mostly outliers (or non-finite) in a round becomes suspect: its
+    # samples stop counting toward target_batch_size (crowdtrain.swarm.robust.SuspectPeers).
+    outlier_distance: float = 4.0
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -115,6 +121,9 @@ class SwarmConfig:
         if not self.clip_radius > 0 or self.clip_iterations < 1:
             raise ValueError(f"clip_radius must be > 0 and clip_iterations >= 1, got {self.clip_radius} and "
                              f"{self.clip_iterations}")
+        if not self.outlier_distance > 1:
+            raise ValueError(f"outlier_distance must be > 1 (in median distances; honest parts lie within about "
+                             f"1.5), got {self.outlier_distance}")
 
     @property
     def min_group_size(self) -> int:

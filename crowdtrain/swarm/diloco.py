@@ -54,14 +54,13 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
-from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
 
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import swarm_epoch_now
-from crowdtrain.swarm.robust import RobustAveragerMixin, make_aggregator
+from crowdtrain.swarm.robust import RobustAveragerMixin, SuspectAwareProgressTracker, SuspectPeers, make_aggregator
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +214,14 @@ class DiLoCoOptimizer:
         self.inner = make_inner_optimizer(groups, config)
         global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
-        self.tracker = ProgressTracker(
+        suspects = SuspectPeers()  # judged by the averager's reducers, discounted by the tracker
+        self.tracker = SuspectAwareProgressTracker(
             dht=dht, prefix=config.run_id, target_batch_size=config.target_batch_size, client_mode=client_mode,
             status_loglevel=self.status_loglevel, min_refresh_period=0.5,
-            max_refresh_period=max(2.0, config.matchmaking_time_s), start=True)
+            max_refresh_period=max(2.0, config.matchmaking_time_s), suspects=suspects, start=True)
         self.averager = guarded(DiLoCoAverager, access_guard)(
             make_outer_optimizer(global_params, config), dht=dht, prefix=f"{config.run_id}_diloco",
-            aggregator=make_aggregator(config), attack=attack,
+            aggregator=make_aggregator(config), attack=attack, suspects=suspects,
             compression=PaperCompression(config.compression_threshold),
             min_matchmaking_time=config.matchmaking_time_s, request_timeout=config.request_timeout_s,
             # Rounds are rare, so wait longer for a late groupmate than sync mode does (a peer sees

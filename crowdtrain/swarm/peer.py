@@ -265,7 +265,10 @@ class _Access:
         self.auth = info.get("auth")
         self.user = self.token = self.guard = self.keeper = None
         self.temporary_identity = None
+        self.identity_path = config.identity  # without auth: a fixed peer ID if given, else a fresh one
         if self.auth is None:
+            if self.identity_path is not None:
+                Path(self.identity_path).parent.mkdir(parents=True, exist_ok=True)
             return
         from crowdtrain.swarm.auth import (AccessDenied, AccessGuard, HttpTokenSource, SwarmAuthorizer,
                                            identity_path_for, load_identity, peer_id_of)
@@ -303,7 +306,7 @@ class _Access:
 
     def dht_kwargs(self) -> dict:
         if self.auth is None:
-            return {}
+            return {} if self.identity_path is None else {"identity_path": str(self.identity_path)}
         return {"identity_path": self.identity_path, "authorizer": self.authorizer}
 
     def start_keeper(self, dht, signer, *, on_denied) -> None:
