@@ -2,9 +2,16 @@
 
 Four peers (batch 16) train `tiny` on 127.0.0.1; in the attacked runs one of them sends crafted
 tensors in every averaging round (``--inject-fault attack=NAME``, see crowdtrain.swarm.attacks).
-The clean run has four honest peers. Loss = held-out loss of the three honest peers' final
-weights (mean). Both modes: sync (gradients; 10 epochs of 384 samples) and DiLoCo
-(pseudo-gradients; 8 rounds of 768 samples).
+The clean run has four honest peers; the ``absent`` row three (the attacker's seat left empty).
+Loss = held-out loss of the three honest peers' final weights (mean). Both modes: sync
+(gradients; 10 epochs of 384 samples) and DiLoCo (pseudo-gradients; 8 rounds of 768 samples).
+
+Which clean run is the reference: an attacker found suspect stops counting toward the target
+batch, so the three honest peers then process the whole target per round, as a swarm of three
+would. In sync mode that changes nothing but time (an epoch is one step on 384 samples however
+many peers share them). In DiLoCo mode each honest peer then takes a third more inner steps per
+round than in the four-peer clean run, and at this early stage of training more inner steps per
+round move the loss further: the three-peer run is the reference that isolates the attack.
 
 Every peer pads its steps to ``STEP_S`` seconds (``--simulated-step-s``, one thread). Without
 that, four peers flat out on a shared 2-core machine do unequal and run-to-run different numbers
@@ -17,10 +24,11 @@ Cost of centered_clip: the time reducers spend aggregating per round (measured i
 mean vs centered_clip), and a micro-benchmark of one reducer's aggregation for the slice a
 peer reduces in a 4-peer group, for the tiny, demo and paper presets.
 
-    python benchmarks/bench_robust.py [--modes sync diloco] [--attacks scale sign_flip noise nan bias]
-                                      [--clean-repeats 2]
+    python benchmarks/bench_robust.py [--modes sync diloco] [--attacks absent scale sign_flip noise nan bias]
+                                      [--clean-repeats 3] [--no-clean] [--rules mean centered_clip]
 
-Runs of the modes not named are kept from the last results file, so the modes can run apart.
+Runs of the modes and attacks not run this time are kept from the last results file, so parts
+of the table can run apart.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from crowdtrain.swarm.attacks import ATTACKS  # noqa: E402
 from crowdtrain.swarm.robust import CenteredClipAggregator, MeanAggregator  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+ABSENT = "absent"  # a clean run of the three honest peers alone
 STEP_S = 0.3  # real steps of `tiny` at batch 16 take 0.1-0.3 s here with four peers on two cores
 COMMON = {"matchmaking_time_s": 3.0, "averaging_timeout_s": 30.0, "checkpoint_every_epochs": 100000}
 MODES = {
@@ -58,8 +67,9 @@ def one_run(tmp: Path, mode: str, aggregation: str, attack: str | None, repeat: 
     # attacker takes the fourth honest peer's.
     ids = {n: ["--identity", str(tmp / "identities" / f"{n}.key")] for n in ("a", "b", "c", "d")}
     peers = [(n, 16, pace + ids[n]) for n in ("a", "b", "c")]
-    peers.append(("evil" if attack else "d", 16,
-                  pace + ids["d"] + (["--inject-fault", f"attack={attack}"] if attack else [])))
+    if attack != ABSENT:
+        peers.append(("evil" if attack else "d", 16,
+                      pace + ids["d"] + (["--inject-fault", f"attack={attack}"] if attack else [])))
     result = run(tmp / f"{mode}-{aggregation}-{attack or 'clean'}-{repeat}", swarm={**swarm, "aggregation": aggregation},
                  peers=peers, epochs=epochs)
     honest = {n: result["eval_loss"][n] for n in ("a", "b", "c")}
@@ -109,32 +119,38 @@ def micro(repeats: int = 5) -> list[dict]:
 
 
 def print_table(mode: str, runs: list[dict], start: float) -> None:
-    """Attack x rule -> final loss, each cell vs the clean runs of the same rule (their mean)."""
+    """Attack x rule -> final loss, each cell vs the mean of the clean runs of the same rule, with
+    four peers and (where run) three."""
     mine = [r for r in runs if r["mode"] == mode]
-    clean = {a: [r["loss"] for r in mine if r["attack"] == "none" and r["aggregation"] == a]
-             for a in ("mean", "centered_clip")}
+
+    def mean_loss(attack: str, aggregation: str) -> float | None:
+        losses = [r["loss"] for r in mine if r["attack"] == attack and r["aggregation"] == aggregation]
+        return sum(losses) / len(losses) if losses else None
+
     print(f"\n{mode}: final held-out loss of the honest peers (start {start:.3f}); in brackets: vs the mean "
-          "of the clean runs with the same rule")
-    print(f"{'attack':<11}{'mean':>22}{'centered_clip':>22}")
-    for attack in ["none", *ATTACKS]:
+          "of the clean runs with the same rule, four peers / three peers")
+    print(f"{'attack':<11}{'mean':>28}{'centered_clip':>28}")
+    for attack in ["none", ABSENT, *ATTACKS]:
         rows = [r for r in mine if r["attack"] == attack]
-        for repeat in range(max(sum(r["aggregation"] == a for r in rows) for a in clean)):
+        for repeat in range(max([sum(r["aggregation"] == a for r in rows) for a in ("mean", "centered_clip")])):
             cells = []
             for aggregation in ("mean", "centered_clip"):
                 same = [r for r in rows if r["aggregation"] == aggregation]
-                if repeat >= len(same) or not clean[aggregation]:
+                if repeat >= len(same):
                     cells.append("-")
                     continue
-                reference = sum(clean[aggregation]) / len(clean[aggregation])
-                cells.append(f"{same[repeat]['loss']:.3f} ({100 * (same[repeat]['loss'] / reference - 1):+.1f}%)")
-            print(f"{attack:<11}{cells[0]:>22}{cells[1]:>22}")
+                loss = same[repeat]["loss"]
+                refs = [mean_loss(a, aggregation) for a in ("none", ABSENT)]
+                vs = " / ".join("-" if ref is None else f"{100 * (loss / ref - 1):+.0f}%" for ref in refs)
+                cells.append(f"{loss:.3f} ({vs})")
+            print(f"{attack:<11}{cells[0]:>28}{cells[1]:>28}")
     print("samples the three honest peers processed, and (in brackets) rounds after which an honest peer found the "
           "attacker suspect, summed over them")
-    for attack in ["none", *ATTACKS]:
+    for attack in ["none", ABSENT, *ATTACKS]:
         cells = [", ".join(f"{r.get('honest_samples', '-')} ({r.get('suspected', '-')})" for r in mine
                            if r["attack"] == attack and r["aggregation"] == aggregation) or "-"
                  for aggregation in ("mean", "centered_clip")]
-        print(f"{attack:<11}{cells[0]:>28}{cells[1]:>28}")
+        print(f"{attack:<11}{cells[0]:>30} {cells[1]:>30}")
     per_round = {a: [r["reducer_s_per_round"] for r in mine if r["aggregation"] == a] for a in ("mean", "centered_clip")}
     if all(per_round.values()):
         means = {a: sum(v) / len(v) for a, v in per_round.items()}
@@ -145,8 +161,11 @@ def print_table(mode: str, runs: list[dict], start: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
-    parser.add_argument("--clean-repeats", type=int, default=2, help="clean runs per mode and rule (default 2)")
+    parser.add_argument("--attacks", nargs="+", default=[ABSENT, *ATTACKS], choices=[ABSENT, *ATTACKS])
+    parser.add_argument("--clean-repeats", type=int, default=3,
+                        help="clean runs (four peers, and three: 'absent') per mode and rule (default 3)")
+    parser.add_argument("--no-clean", action="store_true", help="skip the four-peer clean runs")
+    parser.add_argument("--rules", nargs="+", default=["mean", "centered_clip"], choices=["mean", "centered_clip"])
     parser.add_argument("--micro-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -157,15 +176,17 @@ def main() -> None:
               f"centered_clip {row['centered_clip_s_per_round']:.4f}s per round (+{row['extra_s_per_round']:.4f}s)")
     out = RESULTS / "bench_robust.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    # Runs of modes not asked for this time stay in the table (one mode takes about 16 minutes here).
+    # Runs not asked for this time stay in the table (one mode takes about 25 minutes here).
+    planned = ([] if args.no_clean else [None]) + args.attacks
     kept = json.loads(out.read_text()).get("runs", []) if out.is_file() else []
-    runs = results["runs"] = [r for r in kept if r["mode"] not in args.modes]
+    runs = results["runs"] = [r for r in kept if args.micro_only or r["mode"] not in args.modes
+                              or r["attack"] not in [a or "none" for a in planned] or r["aggregation"] not in args.rules]
     if not args.micro_only:
         tmp = Path(tempfile.mkdtemp(prefix="bench-robust-"))
         for mode in args.modes:
-            for attack in [None, *args.attacks]:
-                for repeat in range(args.clean_repeats if attack is None else 1):
-                    for aggregation in ("mean", "centered_clip"):
+            for attack in planned:
+                for repeat in range(args.clean_repeats if attack in (None, ABSENT) else 1):
+                    for aggregation in args.rules:
                         runs.append(one_run(tmp, mode, aggregation, attack, repeat))
                         print(json.dumps(runs[-1]), flush=True)
                         out.write_text(json.dumps(results, indent=2))
