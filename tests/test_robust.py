@@ -203,6 +203,31 @@ def test_the_reducer_drops_non_finite_parts_and_zero_weights_whatever_the_rule(a
     assert suspects == [False, False, False, True]
 
 
+def test_the_reducer_leaves_out_suspects_parts_while_the_others_are_a_majority_and_still_judges_them():
+    rule = CenteredClipAggregator()
+    g = torch.Generator().manual_seed(3)
+    honest = [1.0 + 0.1 * torch.randn(64, generator=g) for _ in range(3)]
+
+    async def reduce(parts, suspect_senders):
+        stats = WireStats()
+        reducer = RobustTensorPartReducer([torch.Size([64])], len(parts), aggregator=rule, stats=stats,
+                                          suspect_senders=frozenset(suspect_senders))
+        results = await asyncio.gather(*[reducer.accumulate_part(i, 0, p, 1.0) for i, p in enumerate(parts)])
+        return results[0], reducer.suspects(), stats.snapshot()
+
+    # The suspect (sender 3) sends a normal part now: left out of the result, judged normal again.
+    parts = honest + [honest[0].clone()]
+    result, suspects, stats = asyncio.run(reduce(parts, {3}))
+    assert torch.allclose(result, rule.aggregate(honest, [1.0] * 3))
+    assert suspects == [False] * 4 and stats["parts_of_suspects_left_out"] == 1
+    # Still crafted: still suspect.
+    _, suspects, _ = asyncio.run(reduce(honest + [-1000 * honest[0]], {3}))
+    assert suspects == [False, False, False, True]
+    # Half the senders suspect: nobody is left out (no majority to trust instead).
+    result, _, stats = asyncio.run(reduce(parts, {2, 3}))
+    assert torch.allclose(result, rule.aggregate(parts, [1.0] * 4)) and stats["parts_of_suspects_left_out"] == 0
+
+
 @pytest.mark.timeout(180)
 def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_result():
     """Four averagers on a local DHT, one sending a scaled copy: with centered_clip every honest
@@ -225,7 +250,8 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
         Averager([t.clone() for t in tensors], dht, prefix="robust_test", target_group_size=4, min_group_size=4,
                  min_matchmaking_time=3.0, request_timeout=1.0, compression=PaperCompression(),
                  aggregator=CenteredClipAggregator(clip_radius=1.0, clip_iterations=3),
-                 attack=ATTACKS["scale"]() if i == 3 else None, results_as_values=True, start=True)
+                 attack=ATTACKS["scale"]() if i == 3 else None, results_as_values=True, suspects=SuspectPeers(),
+                 start=True)
         for i, (tensors, dht) in enumerate(zip(locals_, dhts))]
     try:
         controls = [a.step(wait=False, timeout=60) for a in averagers]
@@ -305,7 +331,7 @@ def test_the_gradient_averager_gets_the_runs_matchmaking_options():
         # Gradient rounds judge suspects for the tracker; parameter rounds do not (a peer that
         # missed a round holds honestly different parameters).
         assert isinstance(opt.tracker, SuspectAwareProgressTracker)
-        assert opt.tracker.suspects is opt.grad_averager.suspects is not opt.state_averager.suspects
+        assert opt.tracker.suspects is opt.grad_averager.suspects and opt.state_averager.suspects is None
     finally:
         opt.shutdown()
         dht.shutdown()

@@ -16,8 +16,9 @@ Whatever the rule, a part with a NaN or inf is dropped outright (with its weight
 
 Suspects (:class:`SuspectPeers`): a sender most of whose parts a reducer dropped, or (with
 ``centered_clip``) judged outliers, in a round is suspect to that peer until a round in which
-its parts look normal; the peer's progress tracker then does not count the suspect's samples
-toward the target batch, so honest peers process the whole target each round.
+its parts look normal. Meanwhile the peer's reducer leaves the suspect's parts out (it still
+judges them), and its progress tracker does not count the suspect's samples toward the target
+batch, so honest peers process the whole target each round.
 
 Tuning by symptom:
 - The loss falls more slowly than with ``mean`` and no attacker: honest parts are being
@@ -186,8 +187,9 @@ class WireStats:
     # group_lookups: reads of the group's matchmaking key from the DHT (see ``throttle_group_lookups``).
     # parts_outlying: finite parts judged outliers (``Aggregator.aggregate_and_judge``).
     # suspects_found: senders judged suspect, summed over rounds (see ``SuspectPeers``).
+    # parts_of_suspects_left_out: finite parts of suspects not aggregated.
     FIELDS = ("bytes_sent", "aggregate_s", "parts_dropped", "parts_reduced", "rounds", "elements_missing",
-              "group_lookups", "parts_outlying", "suspects_found")
+              "group_lookups", "parts_outlying", "suspects_found", "parts_of_suspects_left_out")
 
     def __init__(self):
         self._values = mp.Array(ctypes.c_double, len(self.FIELDS))
@@ -217,8 +219,10 @@ class SuspectPeers:
     (:class:`SuspectAwareProgressTracker`): an attacker that reports honest progress while
     sending crafted tensors would otherwise make every round stop short of the target by its
     share, and the honest peers train on that much less data (in bench_robust's DiLoCo runs,
-    a quarter). A false suspicion only makes a round wait for more samples from the others;
-    the suspect's own parts are still aggregated like anyone's.
+    a quarter). The reducer also leaves a suspect's parts out (clipping bounds a crafted part's
+    pull but does not remove it; a constant bias still added up over rounds), unless suspects
+    are half the senders or more. A false suspicion costs one round of that peer's contribution
+    to the slice, and a round that waits for more samples from the others.
     """
 
     # Peers (more suspects at once are not recorded); bytes per peer ID (libp2p IDs are 34-38 bytes).
@@ -302,8 +306,10 @@ class RobustTensorPartReducer(TensorPartReducer):
     """hivemind's reducer (same waiting, same handling of failed senders), but it keeps the parts
     of the current slice and hands them to an :class:`Aggregator` once every live sender sent it."""
 
-    def __init__(self, part_shapes, num_senders: int, *, aggregator: Aggregator, stats: WireStats):
+    def __init__(self, part_shapes, num_senders: int, *, aggregator: Aggregator, stats: WireStats,
+                 suspect_senders: frozenset[int] = frozenset()):
         self.aggregator, self.stats = aggregator, stats
+        self.suspect_senders = suspect_senders  # indices of senders suspect since an earlier round
         self._senders: dict[int, int] = {}
         self.parts_judged = [0] * num_senders  # per sender, this round
         self.parts_rejected = [0] * num_senders  # non-finite or outliers
@@ -337,12 +343,18 @@ class RobustTensorPartReducer(TensorPartReducer):
     def _reduce(self, collected: _PartCollector, shape) -> torch.Tensor:
         t0 = time.perf_counter()
         finite = [finite_part(p) for p in collected.parts]
-        kept = [i for i, (w, ok) in enumerate(zip(collected.weights, finite)) if ok and w > 0]
+        usable = [i for i, (w, ok) in enumerate(zip(collected.weights, finite)) if ok and w > 0]
+        # Suspects' parts are judged (so a suspicion can end) but left out, while the others are a majority.
+        trusted = [i for i in usable if collected.sender_indices[i] not in self.suspect_senders]
+        kept = trusted if 2 * len(trusted) > len(usable) else usable
         outlying = []
-        if kept:
-            result, judged = self.aggregator.aggregate_and_judge([collected.parts[i] for i in kept],
-                                                                 [collected.weights[i] for i in kept])
-            outlying = [i for i, outlier in zip(kept, judged) if outlier]
+        if usable:
+            result, judged = self.aggregator.aggregate_and_judge([collected.parts[i] for i in usable],
+                                                                 [collected.weights[i] for i in usable])
+            outlying = [i for i, outlier in zip(usable, judged) if outlier]
+            if len(kept) < len(usable):
+                result = self.aggregator.aggregate([collected.parts[i] for i in kept],
+                                                   [collected.weights[i] for i in kept])
         else:  # nobody sent a usable part (only NaN, or only zero weights): change nothing we can trust
             result = torch.zeros(shape)
         for i, sender in enumerate(collected.sender_indices):
@@ -350,7 +362,7 @@ class RobustTensorPartReducer(TensorPartReducer):
                 self.parts_judged[sender] += 1
                 self.parts_rejected[sender] += not finite[i] or i in outlying
         self.stats.add(aggregate_s=time.perf_counter() - t0, parts_dropped=finite.count(False), parts_reduced=1,
-                       parts_outlying=len(outlying))
+                       parts_outlying=len(outlying), parts_of_suspects_left_out=len(usable) - len(kept))
         return result
 
 
@@ -364,13 +376,15 @@ class RobustAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(self, *, aggregator: Aggregator, stats: WireStats, results_as_values: bool,
-                 fallback_tensors=None, **kwargs):
+                 fallback_tensors=None, suspects: frozenset[bytes] = frozenset(), **kwargs):
         super().__init__(**kwargs)
         self.stats, self.results_as_values = stats, results_as_values
         self.tensor_part_reducer.finished.set()  # the stock reducer is replaced unused (and must not warn)
         self.tensor_part_reducer = RobustTensorPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
-            aggregator=aggregator, stats=stats)
+            aggregator=aggregator, stats=stats,
+            suspect_senders=frozenset(i for i, peer in enumerate(self.sender_peer_ids)
+                                      if peer.to_bytes() in suspects and peer != self.peer_id))
         if results_as_values:
             self.tensor_part_container.return_deltas = False  # a failed reducer: keep our own part
             if fallback_tensors is not None:
@@ -482,10 +496,12 @@ class RobustAveragerMixin:
         self._attack = attack
         self._results_as_values = results_as_values
         self.wire_stats = WireStats()
-        self.suspects = suspects if suspects is not None else SuspectPeers()
+        self.suspects = suspects  # None: judge nobody (parameter averaging)
         super().__init__(*args, **kwargs)
 
     def _record_verdicts(self, verdicts: dict[bytes, bool]) -> None:
+        if self.suspects is None:
+            return
         before = self.suspects.snapshot()
         self.suspects.update(verdicts)
         for peer, suspect in verdicts.items():
@@ -493,8 +509,8 @@ class RobustAveragerMixin:
                 logger.warning(
                     "peer %s %s", PeerID(peer),
                     "sent parts that were non-finite or far outside the others' in most of its slices: its "
-                    "samples no longer count toward the swarm's target batch" if suspect else
-                    "sent normal parts again: its samples count toward the target batch again")
+                    "parts are left out and its samples no longer count toward the swarm's target batch" if suspect
+                    else "sent normal parts again: they count again, and so do its samples")
         self.wire_stats.add(suspects_found=sum(verdicts.values()))
 
     # See ``rpc_aggregate_part``. Off for DiLoCo's averager: with it, 2 of 2 CI runs of the DiLoCo
@@ -543,6 +559,7 @@ class RobustAveragerMixin:
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=sent, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, aggregator=self._aggregator, stats=self.wire_stats,
             results_as_values=self._results_as_values,
+            suspects=self.suspects.snapshot() if self.suspects is not None else frozenset(),
             fallback_tensors=[t.detach().clone() for t in tensors] if self._attack is not None else None, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
@@ -588,7 +605,8 @@ class RobustOptimizerMixin:
         self._aggregator = aggregator or MeanAggregator()
         self._attack = attack
         self._averager_opts = dict(kwargs.get("averager_opts") or {})
-        # Judged in gradient rounds only: parameters of a peer that missed a round differ honestly.
+        # Judged in gradient rounds only (the state averager gets none): parameters of a peer that
+        # missed a round differ honestly.
         self.suspects = SuspectPeers()
         super().__init__(*args, **kwargs)
 
