@@ -114,10 +114,14 @@ class Aggregator:
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         raise NotImplementedError
 
+    def judge(self, parts: Sequence[torch.Tensor]) -> list[bool]:
+        """For every part, whether it is an outlier (this rule judges none)."""
+        return [False] * len(parts)
+
     def aggregate_and_judge(self, parts: Sequence[torch.Tensor], weights: Sequence[float]
                             ) -> tuple[torch.Tensor, list[bool]]:
-        """The result, and for every part whether it is an outlier (this rule judges none)."""
-        return self.aggregate(parts, weights), [False] * len(parts)
+        """:meth:`aggregate` and :meth:`judge` of the same parts (a rule may share work between them)."""
+        return self.aggregate(parts, weights), self.judge(parts)
 
 
 class MeanAggregator(Aggregator):
@@ -151,20 +155,32 @@ class CenteredClipAggregator(Aggregator):
     def aggregate(self, parts, weights):
         return self.aggregate_and_judge(parts, weights)[0]
 
+    def judge(self, parts):
+        if len(parts) == 1:
+            return [False]
+        return self._judge(*self._spread(parts))
+
     def aggregate_and_judge(self, parts, weights):
         if len(parts) == 1:
             return parts[0].float(), [False]
-        stack = torch.stack([p.float().reshape(-1) for p in parts])  # [n, d]
-        start = coordinate_median(stack)
-        distances = (stack - start).norm(dim=1)
-        spread = float(_middle(distances.sort().values))
+        stack, start, distances, spread = self._spread(parts)
         # A median distance of 0 means most parts equal the median: keep it (tiny radius).
         tau = max(self.clip_radius * spread, 1e-30)
         result = centered_clip(stack, torch.tensor(weights, dtype=torch.float32), radius=tau,
                                iterations=self.clip_iterations, init=start)
-        far = distances > self.outlier_distance * spread if spread > 0 else torch.zeros(len(parts), dtype=torch.bool)
-        outliers = (far | (stack @ start < 0)).tolist()
-        return result.reshape(parts[0].shape), outliers
+        return result.reshape(parts[0].shape), self._judge(stack, start, distances, spread)
+
+    @staticmethod
+    def _spread(parts):
+        """The parts stacked [n, d], their coordinate-wise median, distances from it, median distance."""
+        stack = torch.stack([p.float().reshape(-1) for p in parts])
+        start = coordinate_median(stack)
+        distances = (stack - start).norm(dim=1)
+        return stack, start, distances, float(_middle(distances.sort().values))
+
+    def _judge(self, stack, start, distances, spread) -> list[bool]:
+        far = distances > self.outlier_distance * spread if spread > 0 else torch.zeros(len(stack), dtype=torch.bool)
+        return (far | (stack @ start < 0)).tolist()
 
 
 AGGREGATORS = {MeanAggregator.name: MeanAggregator, CenteredClipAggregator.name: CenteredClipAggregator}
@@ -347,14 +363,15 @@ class RobustTensorPartReducer(TensorPartReducer):
         # Suspects' parts are judged (so a suspicion can end) but left out, while the others are a majority.
         trusted = [i for i in usable if collected.sender_indices[i] not in self.suspect_senders]
         kept = trusted if 2 * len(trusted) > len(usable) else usable
-        outlying = []
+        outlying = set()
         if usable:
-            result, judged = self.aggregator.aggregate_and_judge([collected.parts[i] for i in usable],
-                                                                 [collected.weights[i] for i in usable])
-            outlying = [i for i, outlier in zip(usable, judged) if outlier]
-            if len(kept) < len(usable):
-                result = self.aggregator.aggregate([collected.parts[i] for i in kept],
-                                                   [collected.weights[i] for i in kept])
+            parts, weights = [collected.parts[i] for i in kept], [collected.weights[i] for i in kept]
+            if len(kept) < len(usable):  # the result from the trusted parts, the judgement of all
+                result = self.aggregator.aggregate(parts, weights)
+                judged = self.aggregator.judge([collected.parts[i] for i in usable])
+            else:
+                result, judged = self.aggregator.aggregate_and_judge(parts, weights)
+            outlying = {i for i, outlier in zip(usable, judged) if outlier}
         else:  # nobody sent a usable part (only NaN, or only zero weights): change nothing we can trust
             result = torch.zeros(shape)
         for i, sender in enumerate(collected.sender_indices):
