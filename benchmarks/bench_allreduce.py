@@ -8,11 +8,14 @@ same moment on every peer (matchmaking is done before it: ``require_trigger``), 
 the all-reduce alone. Between a round's start and 4 s later the CPU time of every process of the
 machine is read from /proc, split into the Python processes and the p2p daemons.
 
-Two codecs, alternated run by run in one session (this machine is shared and noisy):
-- ``hivemind``: hivemind's UNIFORM_8BIT encoder and decoder, and an elementwise NaN/inf check of
-  each part in the reducer (crowdtrain before 2026-11-24);
-- ``crowdtrain``: :class:`crowdtrain.swarm.compression.Uniform8Bit` and
-  :func:`crowdtrain.swarm.robust.finite_part` (what crowdtrain runs).
+Three variants, alternated run by run in one session (this machine is shared and noisy). Every
+one runs the gradient averager's way: results as values (each reducer sends back its result).
+- ``hivemind``: hivemind's UNIFORM_8BIT encoder and decoder, an elementwise NaN/inf check of each
+  part in the reducer, and each result encoded once per groupmate (crowdtrain before 2026-11-24);
+- ``codec``: :class:`crowdtrain.swarm.compression.Uniform8Bit` and
+  :func:`crowdtrain.swarm.robust.finite_part`, each result still encoded once per groupmate
+  (crowdtrain from 2026-11-24 12:00);
+- ``crowdtrain``: the same, and each result encoded once for all groupmates (what crowdtrain runs).
 
     python benchmarks/bench_allreduce.py [--peers 4] [--rounds 6] [--repeats 2]
 """
@@ -20,6 +23,7 @@ Two codecs, alternated run by run in one session (this machine is shared and noi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import glob
 import json
 import multiprocessing as mp
@@ -33,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS = Path(__file__).parent / "results"
 PERIOD_S = 6.0  # between round starts; a round takes 1.5-2.5 s here
-CODECS = ("hivemind", "crowdtrain")
+CODECS = ("hivemind", "codec", "crowdtrain")
 
 
 def use_codec(codec: str) -> None:
@@ -50,6 +54,11 @@ def use_codec(codec: str) -> None:
         robust.finite_part = lambda part: bool(robust.torch.isfinite(part).all())
     else:
         assert compression.install_fast_decoder()
+    if codec in ("hivemind", "codec"):
+        def encode_per_taker(self, part_index, result, compression_type):
+            return asyncio.get_event_loop().run_in_executor(None, robust.serialize_torch_tensor, result,
+                                                            compression_type)
+        robust.RobustAllReduceRunner._result_message = encode_per_taker
 
 
 def peer(index: int, n: int, rounds: int, codec: str, addrs: mp.Queue, ready: mp.Queue, start: mp.Queue,
@@ -77,7 +86,8 @@ def peer(index: int, n: int, rounds: int, codec: str, addrs: mp.Queue, ready: mp
             addrs.put([str(a) for a in dht.get_visible_maddrs()])
     averager = robust_averager_class(DecentralizedAverager)(
         averaged_tensors=tensors, dht=dht, prefix="bench", target_group_size=n, min_group_size=n,
-        min_matchmaking_time=2.0, request_timeout=3.0, compression=PaperCompression(), start=True)
+        min_matchmaking_time=2.0, request_timeout=3.0, compression=PaperCompression(), results_as_values=True,
+        start=True)
     ready.put(index)
     start_at = start.get()
     seconds = []

@@ -229,14 +229,28 @@ def test_the_reducer_leaves_out_suspects_parts_while_the_others_are_a_majority_a
 
 
 @pytest.mark.timeout(180)
-def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_result():
+def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_result(monkeypatch):
     """Four averagers on a local DHT, one sending a scaled copy: with centered_clip every honest
-    peer ends with bit-identical tensors close to the honest mean; bytes are counted."""
+    peer ends with bit-identical tensors close to the honest mean; bytes are counted; each
+    reducer encodes each result once, not once per groupmate."""
+    import multiprocessing as mp
+
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
+    import crowdtrain.swarm.robust as robust
     from crowdtrain.swarm.compression import PaperCompression
     from crowdtrain.swarm.robust import robust_averager_class
+
+    encodings = mp.Value("i", 0)  # the averagers fork after this and share it
+    encode = robust.serialize_torch_tensor
+
+    def counting_encode(*args, **kwargs):
+        with encodings.get_lock():
+            encodings.value += 1
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(robust, "serialize_torch_tensor", counting_encode)
 
     Averager = robust_averager_class(DecentralizedAverager)
     assert Averager.__name__ == "DecentralizedAverager"  # RPC handler names stay compatible
@@ -267,6 +281,8 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
         assert (results[0][0] - honest[0]).norm() < spread, "the scaled part was not clipped"
         stats = averagers[0].wire_stats.snapshot()
         assert stats["bytes_sent"] > 3 / 4 * 300 * 300 and stats["rounds"] == 1  # 8-bit: ~1 byte per element
+        reduced = sum(a.wire_stats.snapshot()["parts_reduced"] for a in averagers)
+        assert reduced > 0 and encodings.value == reduced, (encodings.value, reduced)
         # Every honest peer that reduced a slice found the attacker's part of it outlying: the
         # attacker is suspect to it. (hivemind gives these two tensors to two of the four reducers.)
         evil = averagers[3].peer_id.to_bytes()

@@ -48,6 +48,7 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -402,6 +403,9 @@ class RobustAllReduceRunner(AllReduceRunner):
             aggregator=aggregator, stats=stats,
             suspect_senders=frozenset(i for i, peer in enumerate(self.sender_peer_ids)
                                       if peer.to_bytes() in suspects and peer != self.peer_id))
+        # results_as_values: per (part index, compression), the reply every sender gets, encoded once
+        self._result_messages: dict[tuple[int, int], asyncio.Future] = {}
+        self._result_takers: dict[tuple[int, int], int] = {}
         if results_as_values:
             self.tensor_part_container.return_deltas = False  # a failed reducer: keep our own part
             if fallback_tensors is not None:
@@ -440,10 +444,24 @@ class RobustAllReduceRunner(AllReduceRunner):
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             result = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
                                                                     weight=self.weight)
-            # The same compression the others get the result in, so every peer holds the same bits.
+            # The very message the others get, so every peer holds the same bits.
             info = container._input_parts_by_peer[peer_index][part_index][1]
-            container.register_processed_part(
-                peer_index, part_index, deserialize_torch_tensor(container.compression.compress(result, info)))
+            message = await self._result_message(part_index, result, _compression_type(container.compression, info))
+            container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(message))
+
+    def _result_message(self, part_index: int, result: torch.Tensor, compression: int) -> asyncio.Future:
+        """``result`` encoded once for all its takers (hivemind encodes a reply per sender: with
+        results as values they would be N copies of the same bytes). Forgotten once every sender
+        has taken it."""
+        key = (part_index, compression)
+        message = self._result_messages.get(key)
+        if message is None:
+            message = asyncio.get_event_loop().run_in_executor(None, serialize_torch_tensor, result, compression)
+            self._result_messages[key] = message
+        self._result_takers[key] = self._result_takers.get(key, 0) + 1
+        if self._result_takers[key] >= len(self.sender_peer_ids):
+            del self._result_messages[key]
+        return asyncio.shield(message)  # a taker whose stream is cancelled must not cancel the others'
 
     async def _generate_input_for_peer(self, peer_index: int):
         async for message in super()._generate_input_for_peer(peer_index):
@@ -465,14 +483,24 @@ class RobustAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break  # the sender was banned in the meantime: nothing more to aggregate
-                reply = result if self.results_as_values else result - tensor_part
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, reply, part_compression)
+                if self.results_as_values:
+                    serialized = await self._result_message(part_index - 1, result, part_compression)
+                else:
+                    serialized = await loop.run_in_executor(None, serialize_torch_tensor, result - tensor_part,
+                                                            part_compression)
                 message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self.stats.add(bytes_sent=message.ByteSize())
                 yield message
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+def _compression_type(compression, info) -> int:
+    """The wire compression type ``compression`` gives a tensor described by ``info``."""
+    while isinstance(compression, AdaptiveCompressionBase):
+        compression = compression.choose_compression(info)
+    return compression.compression_type
 
 
 def throttle_group_lookups(key_manager, *, min_interval: float, stats: WireStats | None = None) -> None:
@@ -591,7 +619,9 @@ class RobustAveragerMixin:
                             tensor.copy_(original)
                         tensor.add_(update, alpha=self._averaging_alpha)
                     self.last_updated = get_dht_time()
-                    self._state_updated.set()
+                # Once per round: hivemind sets it per tensor, and each set re-declares this
+                # averager as a state donor in the DHT (a store to several DHT peers, about 50 a round).
+                self._state_updated.set()
             else:
                 async for _ in runner:
                     raise ValueError("aux peers should not receive averaged tensors")
@@ -644,8 +674,11 @@ class RobustOptimizerMixin:
                 kwargs.setdefault(name, self._averager_opts[name])
         factory = factory if factory is not None else GradientAverager
         if isinstance(factory, type):
+            # Nobody downloads a gradient averager's state (SwarmOptimizer.load_state_from_peers),
+            # so it does not declare itself a donor in the DHT (hivemind's default, every round).
             factory = functools.partial(robust_averager_class(factory), aggregator=self._aggregator,
-                                        attack=self._attack, results_as_values=True, suspects=self.suspects)
+                                        attack=self._attack, results_as_values=True, suspects=self.suspects,
+                                        allow_state_sharing=False)
         return super()._make_gradient_averager(factory, **kwargs)
 
     def _make_state_averager(self, **kwargs):
