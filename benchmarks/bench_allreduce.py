@@ -8,15 +8,20 @@ same moment on every peer (matchmaking is done before it: ``require_trigger``), 
 the all-reduce alone. Between a round's start and 4 s later the CPU time of every process of the
 machine is read from /proc, split into the Python processes and the p2p daemons.
 
-Three variants, alternated run by run in one session (this machine is shared and noisy). Every
-one runs the gradient averager's way: results as values (each reducer sends back its result).
+Four variants, alternated run by run in one session (this machine is shared and noisy), each
+adding one change to the one before. Every one runs the gradient averager's way: results as values
+(each reducer sends back its result).
 - ``hivemind``: hivemind's UNIFORM_8BIT encoder and decoder, an elementwise NaN/inf check of each
-  part in the reducer, and each result encoded once per groupmate (crowdtrain before 2026-11-24);
+  part in the reducer, each result encoded once per groupmate, and hivemind's re-declaration of
+  the averager as a state donor in the DHT after every averaged tensor (crowdtrain before
+  2026-11-24);
 - ``codec``: :class:`crowdtrain.swarm.compression.Uniform8Bit` and
-  :func:`crowdtrain.swarm.robust.finite_part`, each result still encoded once per groupmate
-  (crowdtrain from 2026-11-24 12:00);
-- ``crowdtrain``: the same, and each result encoded once for all groupmates (what crowdtrain runs).
+  :func:`crowdtrain.swarm.robust.finite_part` (crowdtrain from 2026-11-24 12:00);
+- ``encode-once``: each result encoded once for all groupmates;
+- ``crowdtrain``: and the gradient averager does not declare itself a state donor at all (what
+  crowdtrain runs).
 
+    python benchmarks/bench_allreduce.py [--peers 4] [--rounds 6] [--repeats 2]
     python benchmarks/bench_allreduce.py [--peers 4] [--rounds 6] [--repeats 2]
 """
 
@@ -37,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS = Path(__file__).parent / "results"
 PERIOD_S = 6.0  # between round starts; a round takes 1.5-2.5 s here
-CODECS = ("hivemind", "codec", "crowdtrain")
+CODECS = ("hivemind", "codec", "encode-once", "crowdtrain")
 
 
 def use_codec(codec: str) -> None:
@@ -59,6 +64,24 @@ def use_codec(codec: str) -> None:
             return asyncio.get_event_loop().run_in_executor(None, robust.serialize_torch_tensor, result,
                                                             compression_type)
         robust.RobustAllReduceRunner._result_message = encode_per_taker
+    if codec != "crowdtrain":  # hivemind's averager: "state updated" after every averaged tensor
+        run_allreduce, averaging = robust.RobustAveragerMixin._run_allreduce_inplace_, []
+
+        async def run_allreduce_declaring_per_tensor(self, *args, **kwargs):
+            averaging.append(self)
+            try:
+                return await run_allreduce(self, *args, **kwargs)
+            finally:
+                averaging.remove(self)
+
+        async def azip_declaring(*iterables):
+            async for items in azip(*iterables):
+                yield items
+                averaging[-1]._state_updated.set()
+
+        azip = robust.azip
+        robust.azip = azip_declaring
+        robust.RobustAveragerMixin._run_allreduce_inplace_ = run_allreduce_declaring_per_tensor
 
 
 def peer(index: int, n: int, rounds: int, codec: str, addrs: mp.Queue, ready: mp.Queue, start: mp.Queue,
@@ -87,7 +110,7 @@ def peer(index: int, n: int, rounds: int, codec: str, addrs: mp.Queue, ready: mp
     averager = robust_averager_class(DecentralizedAverager)(
         averaged_tensors=tensors, dht=dht, prefix="bench", target_group_size=n, min_group_size=n,
         min_matchmaking_time=2.0, request_timeout=3.0, compression=PaperCompression(), results_as_values=True,
-        start=True)
+        allow_state_sharing=codec != "crowdtrain", start=True)
     ready.put(index)
     start_at = start.get()
     seconds = []
@@ -165,7 +188,7 @@ def main() -> None:
         for codec in CODECS:
             run = one_run(codec, args.peers, args.rounds)
             runs.append({**run, "repeat": repeat})
-            print(f"{codec:>10} repeat {repeat}: round {run['median_round_s']:.2f} s, CPU python "
+            print(f"{codec:>11} repeat {repeat}: round {run['median_round_s']:.2f} s, CPU python "
                   f"{run['python_cpu_s']:.2f} s + p2pd {run['p2pd_cpu_s']:.2f} s", flush=True)
     summary = {}
     for codec in CODECS:
@@ -174,10 +197,10 @@ def main() -> None:
                           for k in ("median_round_s", "python_cpu_s", "p2pd_cpu_s", "aggregate_s_per_peer_round")}
     base = summary["hivemind"]
     print(f"\nAll-reduce of a 22.2M-parameter model, {args.peers} peers on 127.0.0.1 (medians over runs)")
-    print(f"{'codec':>10}  {'round s':>7}  {'x':>5}  {'python CPU s':>12}  {'p2pd CPU s':>10}  {'reduce s/peer':>13}")
+    print(f"{'variant':>11}  {'round s':>7}  {'x':>5}  {'python CPU s':>12}  {'p2pd CPU s':>10}  {'reduce s/peer':>13}")
     for codec in CODECS:
         s = summary[codec]
-        print(f"{codec:>10}  {s['median_round_s']:7.2f}  {s['median_round_s'] / base['median_round_s']:5.2f}  "
+        print(f"{codec:>11}  {s['median_round_s']:7.2f}  {s['median_round_s'] / base['median_round_s']:5.2f}  "
               f"{s['python_cpu_s']:12.2f}  {s['p2pd_cpu_s']:10.2f}  {s['aggregate_s_per_peer_round']:13.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"runs": runs, "summary": summary, "peers": args.peers}, indent=1))

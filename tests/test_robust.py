@@ -348,9 +348,56 @@ def test_the_gradient_averager_gets_the_runs_matchmaking_options():
         # missed a round holds honestly different parameters).
         assert isinstance(opt.tracker, SuspectAwareProgressTracker)
         assert opt.tracker.suspects is opt.grad_averager.suspects and opt.state_averager.suspects is None
+        # Newcomers download the state averager's state only: the gradient averager is no donor.
+        assert opt.state_averager.allow_state_sharing and not opt.grad_averager.allow_state_sharing
     finally:
         opt.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_round_re_declares_a_state_donor_once_not_once_per_tensor(monkeypatch):
+    # hivemind marks the state updated after every averaged tensor, and each mark stores the
+    # averager's donor record in the DHT again: about 50 stores a round for the testbed's model,
+    # which cost a 4-peer swarm a third of its round time on 2 cores.
+    import multiprocessing as mp
+
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    from crowdtrain.swarm.robust import robust_averager_class
+
+    stores = mp.Value("i", 0)  # the averagers fork after this and share it
+    store = hivemind.DHT.store
+
+    def counting_store(self, key, *args, **kwargs):
+        if str(key).endswith(".all_averagers"):
+            with stores.get_lock():
+                stores.value += 1
+        return store(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(hivemind.DHT, "store", counting_store)
+    dhts = [hivemind.DHT(start=True)]
+    dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+    averagers = [robust_averager_class(DecentralizedAverager)(
+        [torch.full((10,), float(i)) for _ in range(40)], dht, prefix="declare", target_group_size=2,
+        min_group_size=2, min_matchmaking_time=2.0, request_timeout=0.5, declare_state_period=600,
+        allow_state_sharing=True, start=True) for i, dht in enumerate(dhts)]
+    try:
+        time.sleep(1.0)
+        before = stores.value
+        assert 2 <= before <= 4  # each declared itself at start (hivemind may do it twice)
+        controls = [a.step(wait=False, timeout=60) for a in averagers]
+        assert all(len(c.result(60)) == 2 for c in controls)
+        with averagers[0].get_tensors() as tensors:
+            assert all(torch.allclose(t, torch.full((10,), 0.5)) for t in tensors)
+        time.sleep(1.0)
+        assert stores.value - before == 2, stores.value - before  # once each after the round
+    finally:
+        for a in averagers:
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()
 
 
 def test_a_part_for_a_group_we_have_not_started_yet_waits_for_it_instead_of_being_refused():
