@@ -403,9 +403,9 @@ class RobustAllReduceRunner(AllReduceRunner):
             aggregator=aggregator, stats=stats,
             suspect_senders=frozenset(i for i, peer in enumerate(self.sender_peer_ids)
                                       if peer.to_bytes() in suspects and peer != self.peer_id))
-        # results_as_values: per (part index, compression), the reply every sender gets, encoded once
-        self._result_messages: dict[tuple[int, int], asyncio.Future] = {}
-        self._result_takers: dict[tuple[int, int], int] = {}
+        # results_as_values: per (part index, compression), the reply every sender gets, encoded
+        # once, and how many senders have yet to take it
+        self._result_messages: dict[tuple[int, int], tuple[asyncio.Future, int]] = {}
         if results_as_values:
             self.tensor_part_container.return_deltas = False  # a failed reducer: keep our own part
             if fallback_tensors is not None:
@@ -454,13 +454,11 @@ class RobustAllReduceRunner(AllReduceRunner):
         results as values they would be N copies of the same bytes). Forgotten once every sender
         has taken it."""
         key = (part_index, compression)
-        message = self._result_messages.get(key)
+        message, due = self._result_messages.pop(key, (None, len(self.sender_peer_ids)))
         if message is None:
             message = asyncio.get_event_loop().run_in_executor(None, serialize_torch_tensor, result, compression)
-            self._result_messages[key] = message
-        self._result_takers[key] = self._result_takers.get(key, 0) + 1
-        if self._result_takers[key] >= len(self.sender_peer_ids):
-            del self._result_messages[key]
+        if due > 1:
+            self._result_messages[key] = (message, due - 1)
         return asyncio.shield(message)  # a taker whose stream is cancelled must not cancel the others'
 
     async def _generate_input_for_peer(self, peer_index: int):
