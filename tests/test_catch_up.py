@@ -247,7 +247,7 @@ def test_a_peer_left_out_of_a_round_ranks_its_state_below_the_groups_at_once():
     assert averager.state_sharing_priority == 6.5
 
 
-def test_a_peer_mid_update_never_serves_last_epochs_parameters_as_this_epochs():
+def test_a_peer_mid_update_serves_a_copy_never_last_epochs_parameters_as_this_epochs():
     # The delayed update: the epoch is incremented at once, the step runs in the background. A
     # download in between used to get the old parameters labelled with the new epoch, and the
     # peer that took them stayed one update behind the swarm.
@@ -268,6 +268,7 @@ def test_a_peer_mid_update_never_serves_last_epochs_parameters_as_this_epochs():
         assert averager.local_epoch == 1 and averager.update_in_flight()
         metadata, tensors, _ = averager.get_current_state()  # waits 0.5 s, then labels honestly
         assert metadata["epoch"] == 0 and torch.equal(tensors[0], torch.ones(4))
+        served_before_the_step = tensors
         # Asked while the update runs, answered once it is done: the new parameters, the new epoch.
         answer = {}
         asker = threading.Thread(target=lambda: answer.update(state=averager.get_current_state()))
@@ -279,7 +280,40 @@ def test_a_peer_mid_update_never_serves_last_epochs_parameters_as_this_epochs():
         metadata, tensors, _ = answer["state"]
         assert metadata["epoch"] == 1 and torch.allclose(tensors[0], torch.full((4,), 0.5))
         assert not averager.update_in_flight()
+        # What was served is a copy: a download still streaming it when the step ran (minutes, over
+        # a home link) goes on sending epoch 0's parameters, not a mix of both epochs.
+        assert torch.equal(served_before_the_step[0], torch.ones(4))
     finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def test_a_peer_whose_step_ran_but_whose_state_round_has_not_ended_serves_the_new_epoch():
+    # The step and a state-averaging round run in one background update. Once the step has run,
+    # the parameters are the new epoch's, even while the round goes on: labelling them with the
+    # previous epoch would make the peer that takes them apply this epoch's step a second time.
+    from crowdtrain.swarm.state import ConsistentStateAverager
+
+    dht = hivemind.DHT(start=True)
+    param = torch.nn.Parameter(torch.ones(4))
+    averager = ConsistentStateAverager(dht=dht, prefix="run_state_averager", params=[param],
+                                       optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+                                       offload_optimizer=True, custom_gradients=True, state_wait_s=0.5, start=True)
+    round_ends = threading.Event()
+    state_round = SimpleNamespace(triggered=False, done=lambda: False, allow_allreduce=lambda: None,
+                                  result=lambda timeout=None: round_ends.wait(10) and {})
+    try:
+        averager.optimizer.param_groups[0]["params"][0].grad = torch.ones(4)
+        averager.step(increment_epoch=True, optimizer_step=True, delay_optimizer_step=True,
+                      averaging_round=True, delay_averaging=True, averaging_control=state_round)
+        deadline = time.monotonic() + 10
+        while averager.optimizer.param_groups[0]["params"][0][0] != 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert averager.update_in_flight(), "the state round is still running"
+        metadata, tensors, _ = averager.get_current_state()
+        assert metadata["epoch"] == 1 and torch.allclose(tensors[0], torch.full((4,), 0.5))
+    finally:
+        round_ends.set()
         averager.shutdown()
         dht.shutdown()
 

@@ -12,6 +12,11 @@ after ``state_wait_s`` with its parameters labelled honestly as the previous epo
 Keep ``state_wait_s`` short (the optimizer uses 0.5 s): a downloader gives each peer a few
 seconds for its first message and then moves on down the list, and with a 30 s wait a newcomer
 skipped the live peers and took the coordinator's checkpoint, epochs old.
+
+The state served is a copy taken under the optimizer's lock. hivemind serves the live tensors and
+compresses each one only when the stream reaches it, so a download that lasts minutes over a home
+link got a mix of every epoch it spanned (and a tensor read while the optimizer wrote it), all
+under the first epoch's number.
 """
 
 from __future__ import annotations
@@ -29,42 +34,53 @@ class ConsistentStateAverager(TrainingStateAverager):
 
     def __init__(self, *args, state_wait_s: float = 0.5, **kwargs):
         self.state_wait_s = state_wait_s
-        self._update_done = threading.Event()
+        self._update_done = threading.Event()  # the delayed update (step and its rounds) has ended
         self._update_done.set()
+        self._step_applied = threading.Event()  # the delayed update's optimizer step has run
+        self._step_applied.set()
+        self._epoch_before_update = 0
         super().__init__(*args, **kwargs)
+        self.optimizer.register_step_post_hook(lambda *_: self._step_applied.set())
 
     def step(self, *args, optimizer_step: bool = False, delay_optimizer_step: bool = False,
              increment_epoch: bool = False, **kwargs):
         if optimizer_step and delay_optimizer_step:
-            # Cleared before the epoch is incremented: from here until the background update ends,
-            # our parameters are the previous epoch's.
+            # Cleared before the epoch is incremented: from here until the background step has
+            # run, our parameters are the previous epoch's.
+            self._epoch_before_update = self.local_epoch
+            self._step_applied.clear()
             self._update_done.clear()
         try:
             return super().step(*args, optimizer_step=optimizer_step, delay_optimizer_step=delay_optimizer_step,
                                 increment_epoch=increment_epoch, **kwargs)
         except BaseException:
+            self._step_applied.set()
             self._update_done.set()
             raise
 
-    def _do(self, *args, **kwargs):
+    def _do(self, wait_for_trigger, optimizer_step, *args, **kwargs):
         try:
-            return super()._do(*args, **kwargs)
+            return super()._do(wait_for_trigger, optimizer_step, *args, **kwargs)
         finally:
-            self._update_done.set()
+            if optimizer_step:  # also when it failed: what we hold is then what we serve
+                self._step_applied.set()
+                self._update_done.set()
 
     def update_in_flight(self) -> bool:
         return not self._update_done.is_set()
 
     def get_current_state(self):
-        """Runs in this (host) process when a peer downloads our state."""
-        if not self._update_done.wait(self.state_wait_s):
+        """Runs in this (host) process when a peer downloads our state: a copy, labelled with the
+        epoch its parameters belong to."""
+        self._update_done.wait(self.state_wait_s)  # give an update in flight a moment to end
+        with self.lock_optimizer:  # no optimizer step half-way through what we copy
             metadata, tensors, infos = super().get_current_state()
-            logger.info("serving the state while our update for epoch %d is still running: labelled epoch %d",
-                        metadata["epoch"], metadata["epoch"] - 1)
-            return {**metadata, "epoch": max(0, metadata["epoch"] - 1)}, tensors, infos
-        return super().get_current_state()
+            tensors = [tensor.detach().clone() for tensor in tensors]
+            if not self._step_applied.is_set():
+                logger.info("serving the state while our update for epoch %d is still running: labelled epoch %d",
+                            metadata["epoch"], self._epoch_before_update)
+                metadata = {**metadata, "epoch": self._epoch_before_update}
+        return metadata, tensors, infos
 
 
-# hivemind names RPC handlers after the class ("TrainingStateAverager.rpc_download_state"): keep
-# the name, or peers running the plain class (the coordinator's auxiliary peer) could not reach us.
 ConsistentStateAverager.__name__ = ConsistentStateAverager.__qualname__ = TrainingStateAverager.__name__
