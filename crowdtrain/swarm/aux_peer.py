@@ -30,7 +30,6 @@ from pathlib import Path
 import hivemind
 import torch
 from hivemind.p2p import PeerID
-from hivemind.optim.state_averager import TrainingStateAverager
 
 from crowdtrain.checkpoint import (checkpoint_name, latest_checkpoint, load_optimizer_state, prune_checkpoints,
                                    save_checkpoint)
@@ -45,6 +44,7 @@ from crowdtrain.swarm.auth import AccessGuard, LocalTokenSource, SwarmAuthorizer
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, make_scheduler, unflatten_optimizer_state
+from crowdtrain.swarm.state import ConsistentStateAverager
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,9 @@ class AuxPeer:
 
             self.averager = guarded(DiLoCoAverager, self.guard).for_model(self.dht, self.model, self.swarm)
         else:
-            self.averager = guarded(TrainingStateAverager, self.guard)(
+            # A copy of the state for each download, so a checkpoint's download into our tensors
+            # never tears a newcomer's (see crowdtrain.swarm.state).
+            self.averager = guarded(ConsistentStateAverager, self.guard)(
                 dht=self.dht, prefix=f"{self.swarm.run_id}_state_averager",
                 optimizer=partial(make_lamb, config=self.swarm), scheduler=partial(make_scheduler, config=self.swarm),
                 params=param_groups(self.model, self.swarm.weight_decay), compression=compression,

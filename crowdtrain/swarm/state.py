@@ -24,7 +24,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from hivemind.optim.state_averager import TrainingStateAverager
+import torch
+from hivemind.compression import CompressionInfo, TensorRole
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +75,29 @@ class ConsistentStateAverager(TrainingStateAverager):
         """Runs in this (host) process when a peer downloads our state: a copy, labelled with the
         epoch its parameters belong to."""
         self._update_done.wait(self.state_wait_s)  # give an update in flight a moment to end
-        with self.lock_optimizer:  # no optimizer step half-way through what we copy
-            metadata, tensors, infos = super().get_current_state()
-            tensors = [tensor.detach().clone() for tensor in tensors]
-            if not self._step_applied.is_set():
-                logger.info("serving the state while our update for epoch %d is still running: labelled epoch %d",
-                            metadata["epoch"], self._epoch_before_update)
-                metadata = {**metadata, "epoch": self._epoch_before_update}
-        return metadata, tensors, infos
+        # The optimizer's lock: no step half-way through what we copy; the tensors' lock: no
+        # state download or averaging round writing them.
+        with torch.no_grad(), self.lock_optimizer, self.lock_averaged_tensors:
+            params = [_cpu_copy(p) for group in self.optimizer.param_groups for p in group["params"]]
+            extras = [_cpu_copy(t) for t in self.extra_tensors]
+            optimizer_metadata, optimizer_tensors = dump_optimizer_state(self.optimizer)
+            optimizer_tensors = [_cpu_copy(t) for t in optimizer_tensors]
+            local_epoch = self.local_epoch
+            epoch = local_epoch if self._step_applied.is_set() else self._epoch_before_update
+        if epoch != local_epoch:
+            logger.info("serving the state while our update for epoch %d is still running: labelled epoch %d",
+                        local_epoch, epoch)
+        infos = ([CompressionInfo.from_tensor(p, key=key, role=TensorRole.PARAMETER)
+                  for p, key in zip(params, self.parameter_names)]
+                 + [CompressionInfo.from_tensor(t, key=i, role=TensorRole.UNSPECIFIED) for i, t in enumerate(extras)]
+                 + [CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
+                    for i, t in enumerate(optimizer_tensors)])
+        metadata = dict(epoch=epoch, group_bits=self.get_group_bits(), optimizer_metadata=optimizer_metadata)
+        return metadata, params + extras + optimizer_tensors, infos
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 ConsistentStateAverager.__name__ = ConsistentStateAverager.__qualname__ = TrainingStateAverager.__name__
