@@ -134,6 +134,8 @@ def test_join_page_shows_the_command_for_this_coordinator(page, trained):
     page.click("text=memory calculator")
     page.wait_for_url(f"{trained.url}/memcalc/")
     assert "memory" in page.inner_text("h1").lower()
+    page.click("nav >> text=Dashboard")  # and back to the run's pages
+    page.wait_for_url(f"{trained.url}/dashboard")
 
 
 def test_a_checkpoint_downloads_as_safetensors(page, trained):

@@ -170,6 +170,8 @@ def test_join_page_shows_the_right_command_for_open_and_allowlist_runs(run):
     for html in (open_html, invited):
         assert 'href="/memcalc/"' in html
         assert "What your machine will do" in html and "never" in html and "unpickled" in html
+    calculator = run("open").get("/memcalc/").text  # and from the calculator, back to the run
+    assert 'href="/"' in calculator and 'href="/join"' in calculator and 'href="/dashboard"' in calculator
     assert pages.join_command("http://h:1", "open") == "crowdtrain join http://h:1 --user YOUR_NAME"
     assert pages.join_command("http://h:1", "allowlist") == "crowdtrain join http://h:1 --key YOUR_KEY"
 

@@ -109,7 +109,7 @@ def run_status(run_dir: Path, store: Store) -> dict:
 def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | None = None,
                text_tokenizer: str | Path | None = None, auth: AuthSettings | None = None,
                public_url: str = "http://127.0.0.1:8000", checkpoint_dir: str | Path | None = None) -> FastAPI:
-    from crowdtrain.coordinator.pages import create_router as pages_router
+    from crowdtrain.coordinator.pages import NAV, create_router as pages_router
     from crowdtrain.memcalc.web import create_router as memcalc_router
 
     run_dir = Path(run_dir)
@@ -136,7 +136,8 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
             request._body = body  # starlette reads the cached body downstream
         return await call_next(request)
 
-    app.include_router(memcalc_router("/memcalc"))  # the memory calculator page, for volunteers sizing a GPU
+    # The memory calculator page, for volunteers sizing a GPU, with the way back to the run's pages.
+    app.include_router(memcalc_router("/memcalc", nav=tuple(link for link in NAV if link[0] != "/memcalc/")))
     app.include_router(pages_router(run_dir=run_dir, store=store, public_url=public_url, auth_mode=auth.mode,
                                    checkpoint_dir=checkpoint_dir))
 

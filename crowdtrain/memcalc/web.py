@@ -29,14 +29,15 @@ def _plotly_js() -> Path:
     return path
 
 
-def create_router(prefix: str = "/memcalc") -> APIRouter:
+def create_router(prefix: str = "/memcalc", nav: tuple[tuple[str, str], ...] = ()) -> APIRouter:
+    """``nav``: (href, label) links shown above the calculator, e.g. back to a run's pages."""
     router = APIRouter(prefix=prefix)
 
     @router.get("/", response_class=HTMLResponse)
     def page(request: Request):
         return TEMPLATES.TemplateResponse(request, "memcalc.html", {
             "models": names(), "optimizers": OPTIMIZERS, "precisions": PRECISIONS, "gpus": GPU_SIZES_GB,
-            "prefix": prefix, "default_model": "gpt2-large"})
+            "prefix": prefix, "default_model": "gpt2-large", "nav": nav})
 
     @router.get("/plotly.min.js")
     def plotly_js():
