@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["bench_memcalc", "bench_data", "bench_model", "bench_swarm", "bench_diloco", "bench_robust"]
+BENCHMARKS = ["bench_memcalc", "bench_data", "bench_model", "bench_swarm", "bench_diloco", "bench_robust",
+              "bench_allreduce", "bench_state_snapshot"]
 
 
 def main() -> int:

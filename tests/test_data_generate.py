@@ -150,3 +150,36 @@ def test_generate_rejects_mismatched_tokenizer(tmp_path):
         "text_tokenizer.json": SHAPES_TEXT_TOKENIZER, "image_tokenizer.safetensors": random_vq(tmp_path / "v.st")})
     with pytest.raises(ValueError, match="image tokenizer"):
         Generator.from_checkpoint(ckpt)
+
+
+def _sampler(run_dir):
+    """The coordinator's checkpointer, its sampling part only (no DHT, no swarm)."""
+    from crowdtrain.coordinator.db import Store
+    from crowdtrain.swarm.aux_peer import AuxPeer
+
+    aux = AuxPeer.__new__(AuxPeer)
+    aux.run_dir, aux.samples_possible = run_dir, True
+    aux.store = Store(f"sqlite:///{run_dir / 'run.db'}")
+    return aux
+
+
+def test_the_checkpointer_draws_the_gallery_from_a_checkpoint(checkpoint, tmp_path):
+    aux = _sampler(tmp_path)
+    aux.make_samples(checkpoint, epoch=1)
+    samples = aux.store.samples()
+    assert len(samples) == 6 and sum(s["held_out"] for s in samples) == 3
+    for sample in samples:
+        assert Image.open(tmp_path / sample["path"]).size == (3 * (4 * 66 + 2), 3 * (66 + 2))  # 4 tiles, 3x
+
+
+def test_a_run_whose_model_no_image_tokenizer_fits_gets_no_gallery_and_one_line_saying_why(tmp_path, caplog):
+    # `tiny` draws 64 codes; with no tokenizer in its checkpoints (a run on pattern data), the
+    # shipped one has 512. The checkpointer used to warn at every checkpoint.
+    import logging
+
+    ckpt = save_checkpoint(tmp_path / "step-1", DalleTransformer(get_preset("tiny")), step=1)
+    aux = _sampler(tmp_path)
+    with caplog.at_level(logging.INFO, logger="crowdtrain.swarm.aux_peer"):
+        aux.make_samples(ckpt, epoch=1)
+    assert not aux.samples_possible and aux.store.samples() == []
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "no sample images for this run" in caplog.text

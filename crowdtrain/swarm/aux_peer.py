@@ -114,6 +114,7 @@ class AuxPeer:
         self.last_checkpoint_epoch = self._resume()
         self.seen: dict[str, float] = {}
         self.checkpoints_written = 0
+        self.samples_possible = True  # until a checkpoint shows there is no image tokenizer for the model
         self.stop = threading.Event()
 
     @staticmethod
@@ -243,7 +244,7 @@ class AuxPeer:
         self.checkpoints_written += 1
         logger.info("checkpoint at epoch %d: %s (mean loss %.4f)", epoch, path, mean_loss)
         every = self.spec.get("samples_every_checkpoints", 1)
-        if every and self.checkpoints_written % every == 0:
+        if every and self.samples_possible and self.checkpoints_written % every == 0:
             self.make_samples(path, epoch)
 
     def make_samples(self, checkpoint: Path, epoch: int, per_prompt: int = 4) -> None:
@@ -252,9 +253,14 @@ class AuxPeer:
             from PIL import Image
 
             from crowdtrain.data import EVAL_PROMPTS
-            from crowdtrain.data.generate import Generator, make_grid
+            from crowdtrain.data.generate import Generator, TokenizerMismatch, make_grid
 
-            gen = Generator.from_checkpoint(checkpoint)
+            try:
+                gen = Generator.from_checkpoint(checkpoint)
+            except TokenizerMismatch as e:  # e.g. a run on pattern data: no image tokenizer to decode with
+                self.samples_possible = False
+                logger.info("no sample images for this run: %s", e)
+                return
             folder = self.run_dir / "samples" / checkpoint.name
             folder.mkdir(parents=True, exist_ok=True)
             prompts = [(p, False) for p in EVAL_PROMPTS["seen"][:3]] + [(p, True) for p in EVAL_PROMPTS["heldout"][:3]]
