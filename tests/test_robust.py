@@ -55,6 +55,31 @@ def test_centered_clip_aggregator_resists_every_attack_and_the_mean_does_not():
         assert (mean - honest).norm() > 10 * spread, name
 
 
+def test_a_claim_of_1000_times_the_weight_does_not_carry_centered_clip():
+    # Clipping bounds how far a part pulls at each step; a weight of 1000x would take nearly all of
+    # every step, moving the estimate clip_iterations radii towards the attacker.
+    g = torch.Generator().manual_seed(1)
+    rule = CenteredClipAggregator()
+    signal = torch.randn(2000, generator=g)
+    parts = [signal + torch.randn(2000, generator=g) for _ in range(4)]
+    honest = sum(parts[:3]) / 3
+    spread = max((p - honest).norm() for p in parts[:3])
+    crafted = parts[:3] + [ATTACKS["weight"]().craft(parts[3].clone())]
+    claimed = [16.0, 16.0, 16.0, 16.0 * ATTACKS["weight"].weight_factor]
+    result, outliers = rule.aggregate_and_judge(crafted, claimed)
+    assert outliers == [False, False, False, True]
+    assert (result - honest).norm() < 0.5 * spread
+    as_claimed = centered_clip(torch.stack(crafted), torch.tensor(claimed), radius=rule.clip_radius * float(spread),
+                               iterations=rule.clip_iterations, init=torch.stack(crafted).median(0).values)
+    assert (as_claimed - honest).norm() > 2 * spread  # the weights as sent
+    # A heavy sender that looks honest keeps up to max_weight_ratio times the median; an outlier, the median.
+    assert rule.capped([16.0, 16.0, 16.0, 160.0], [False] * 4).tolist() == [16.0, 16.0, 16.0, 64.0]
+    assert rule.capped([16.0, 16.0, 16.0, 160.0], [False, False, False, True]).tolist() == [16.0] * 4
+    assert make_aggregator(SwarmConfig(aggregation="centered_clip", max_weight_ratio=2.0)).max_weight_ratio == 2.0
+    with pytest.raises(ValueError, match="max_weight_ratio"):
+        SwarmConfig(max_weight_ratio=0.5)
+
+
 def test_centered_clip_judges_every_crafted_part_an_outlier_and_honest_parts_not():
     # Honest parts: a shared signal plus as much per-peer noise (gradients at low signal-to-noise),
     # one sender with twice the noise (a peer with a smaller batch).
@@ -229,10 +254,11 @@ def test_the_reducer_leaves_out_suspects_parts_while_the_others_are_a_majority_a
 
 
 @pytest.mark.timeout(180)
-def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_result(monkeypatch):
-    """Four averagers on a local DHT, one sending a scaled copy: with centered_clip every honest
-    peer ends with bit-identical tensors close to the honest mean; bytes are counted; each
-    reducer encodes each result once, not once per groupmate."""
+@pytest.mark.parametrize("attack", ["scale", "weight"])
+def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_result(monkeypatch, attack):
+    """Four averagers on a local DHT, one sending a scaled copy (or a biased one with 1000 times
+    its weight): with centered_clip every honest peer ends with bit-identical tensors close to the
+    honest mean; bytes are counted; each reducer encodes each result once, not once per groupmate."""
     import multiprocessing as mp
 
     import hivemind
@@ -251,6 +277,15 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
         return encode(*args, **kwargs)
 
     monkeypatch.setattr(robust, "serialize_torch_tensor", counting_encode)
+    heaviest = mp.Value("d", 0.0)  # the largest weight a reducer received
+    accumulate = robust.RobustTensorPartReducer.accumulate_part
+
+    async def recording_accumulate(self, sender_index, part_index, tensor_part, weight=1.0):
+        with heaviest.get_lock():
+            heaviest.value = max(heaviest.value, weight)
+        return await accumulate(self, sender_index, part_index, tensor_part, weight=weight)
+
+    monkeypatch.setattr(robust.RobustTensorPartReducer, "accumulate_part", recording_accumulate)
 
     Averager = robust_averager_class(DecentralizedAverager)
     assert Averager.__name__ == "DecentralizedAverager"  # RPC handler names stay compatible
@@ -264,7 +299,7 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
         Averager([t.clone() for t in tensors], dht, prefix="robust_test", target_group_size=4, min_group_size=4,
                  min_matchmaking_time=3.0, request_timeout=1.0, compression=PaperCompression(),
                  aggregator=CenteredClipAggregator(clip_radius=1.0, clip_iterations=3),
-                 attack=ATTACKS["scale"]() if i == 3 else None, results_as_values=True, suspects=SuspectPeers(),
+                 attack=ATTACKS[attack]() if i == 3 else None, results_as_values=True, suspects=SuspectPeers(),
                  start=True)
         for i, (tensors, dht) in enumerate(zip(locals_, dhts))]
     try:
@@ -278,7 +313,8 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
         for other in results[1:]:
             assert all(torch.equal(x, y) for x, y in zip(results[0], other)), "peers hold different bits"
         spread = max((locals_[j][0] - honest[0]).norm() for j in range(3))
-        assert (results[0][0] - honest[0]).norm() < spread, "the scaled part was not clipped"
+        assert (results[0][0] - honest[0]).norm() < spread, "the crafted part was not clipped"
+        assert heaviest.value == ATTACKS[attack].weight_factor  # what the attacker claimed reached the reducers
         stats = averagers[0].wire_stats.snapshot()
         assert stats["bytes_sent"] > 3 / 4 * 300 * 300 and stats["rounds"] == 1  # 8-bit: ~1 byte per element
         reduced = sum(a.wire_stats.snapshot()["parts_reduced"] for a in averagers)

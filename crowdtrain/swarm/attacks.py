@@ -10,7 +10,9 @@ and on pseudo-gradients alike:
 - ``sign_flip``: ``-g``;
 - ``noise``: Gaussian noise of 100 times ``g``'s RMS instead of ``g``;
 - ``nan``: NaN in the first half of every tensor, +inf in the second;
-- ``bias``: ``g + 10 rms(g)`` in every element (a constant push in one direction).
+- ``bias``: ``g + 10 rms(g)`` in every element (a constant push in one direction);
+- ``weight``: the ``bias`` push, sent with 1000 times the peer's weight (its sample count) so that
+  a weighted rule follows it.
 
 Testing aid only: honest peers never send non-finite values (``crowdtrain.swarm.peer`` drops
 such batches), and every reducer drops non-finite parts whatever the aggregation rule.
@@ -23,6 +25,7 @@ import torch
 
 class Attack:
     name = "base"
+    weight_factor = 1.0  # the weight sent, in times the honest one
 
     def craft(self, honest: torch.Tensor) -> torch.Tensor:
         """The tensor to send instead of ``honest`` (may modify and return it)."""
@@ -75,7 +78,12 @@ class BiasAttack(Attack):
         return honest.add_(self.relative_bias * _rms(honest))
 
 
-ATTACKS = {cls.name: cls for cls in (ScaleAttack, SignFlipAttack, NoiseAttack, NanAttack, BiasAttack)}
+class WeightAttack(BiasAttack):
+    name = "weight"
+    weight_factor = 1000.0  # times the weight it should send
+
+
+ATTACKS = {cls.name: cls for cls in (ScaleAttack, SignFlipAttack, NoiseAttack, NanAttack, BiasAttack, WeightAttack)}
 
 
 def parse_fault(fault: str | None) -> None:

@@ -23,7 +23,8 @@ together has processed ``target_batch_size`` samples. ``lr``, ``betas``, ``eps``
 
 Aggregation (``aggregation``, ``crowdtrain.swarm.robust``): how each peer combines the parts
 it reduces in the butterfly all-reduce, in both modes: ``mean`` or ``centered_clip``
-(``clip_radius`` in units of the parts' median spread, ``clip_iterations``). Parts with NaN or
+(``clip_radius`` in units of the parts' median spread, ``clip_iterations``, and
+``max_weight_ratio``, the most a sender's weight counts in times the median). Parts with NaN or
 inf are dropped whatever the rule. A sender whose parts were mostly dropped or (``centered_clip``,
 ``outlier_distance``) outliers in a round is suspect: its samples stop counting toward
 ``target_batch_size`` until its parts look normal again.
@@ -94,6 +95,9 @@ class SwarmConfig:
     # A sender whose parts were mostly outliers (or non-finite) in a round becomes suspect: its
     # samples stop counting toward target_batch_size (crowdtrain.swarm.robust.SuspectPeers).
     outlier_distance: float = 4.0
+    # centered_clip: a sender's weight (the samples it claims) counts at most this many times the
+    # median weight of the slice's senders; a claim of 1000x would otherwise carry the estimate.
+    max_weight_ratio: float = 4.0
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -121,6 +125,8 @@ class SwarmConfig:
         if not self.clip_radius > 0 or self.clip_iterations < 1:
             raise ValueError(f"clip_radius must be > 0 and clip_iterations >= 1, got {self.clip_radius} and "
                              f"{self.clip_iterations}")
+        if not self.max_weight_ratio >= 1:
+            raise ValueError(f"max_weight_ratio must be >= 1 (times the median weight), got {self.max_weight_ratio}")
         if not self.outlier_distance > 1:
             raise ValueError(f"outlier_distance must be > 1 (in median distances; honest parts lie within about "
                              f"1.5), got {self.outlier_distance}")

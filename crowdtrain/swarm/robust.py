@@ -149,9 +149,10 @@ class CenteredClipAggregator(Aggregator):
 
     name = "centered_clip"
 
-    def __init__(self, *, clip_radius: float = 1.0, clip_iterations: int = 3, outlier_distance: float = 4.0):
+    def __init__(self, *, clip_radius: float = 1.0, clip_iterations: int = 3, outlier_distance: float = 4.0,
+                 max_weight_ratio: float = 4.0):
         self.clip_radius, self.clip_iterations = clip_radius, clip_iterations
-        self.outlier_distance = outlier_distance
+        self.outlier_distance, self.max_weight_ratio = outlier_distance, max_weight_ratio
 
     def aggregate(self, parts, weights):
         return self.aggregate_and_judge(parts, weights)[0]
@@ -165,11 +166,22 @@ class CenteredClipAggregator(Aggregator):
         if len(parts) == 1:
             return parts[0].float(), [False]
         stack, start, distances, spread = self._spread(parts)
+        outliers = self._judge(stack, start, distances, spread)
         # A median distance of 0 means most parts equal the median: keep it (tiny radius).
         tau = max(self.clip_radius * spread, 1e-30)
-        result = centered_clip(stack, torch.tensor(weights, dtype=torch.float32), radius=tau,
-                               iterations=self.clip_iterations, init=start)
-        return result.reshape(parts[0].shape), self._judge(stack, start, distances, spread)
+        result = centered_clip(stack, self.capped(weights, outliers), radius=tau, iterations=self.clip_iterations,
+                               init=start)
+        return result.reshape(parts[0].shape), outliers
+
+    def capped(self, weights: Sequence[float], outliers: Sequence[bool]) -> torch.Tensor:
+        """The weights (each sender's claimed sample count) the clipping uses: at most
+        ``max_weight_ratio`` times their median, and an outlier's at most the median. Clipping bounds
+        how far a part pulls the estimate at each step, its weight's share how much of that step it
+        gets: a claim of 1000x would otherwise carry the estimate ``clip_iterations`` radii its way."""
+        weights = torch.tensor(weights, dtype=torch.float32)
+        median = float(_middle(weights.sort().values))
+        limits = torch.tensor([median if outlier else self.max_weight_ratio * median for outlier in outliers])
+        return torch.minimum(weights, limits)
 
     @staticmethod
     def _spread(parts):
@@ -190,7 +202,8 @@ AGGREGATORS = {MeanAggregator.name: MeanAggregator, CenteredClipAggregator.name:
 def make_aggregator(config: SwarmConfig) -> Aggregator:
     if config.aggregation == "centered_clip":
         return CenteredClipAggregator(clip_radius=config.clip_radius, clip_iterations=config.clip_iterations,
-                                      outlier_distance=config.outlier_distance)
+                                      outlier_distance=config.outlier_distance,
+                                      max_weight_ratio=config.max_weight_ratio)
     return AGGREGATORS[config.aggregation]()
 
 
@@ -598,6 +611,8 @@ class RobustAveragerMixin:
         # DecentralizedAverager._run_allreduce_inplace_ with the robust runner.
         group_id = group_info.group_id if group_id is None else group_id
         sent = list(tensors) if self._attack is None else [self._attack.craft(t.detach().clone()) for t in tensors]
+        if self._attack is not None and "weight" in kwargs:
+            kwargs["weight"] = kwargs["weight"] * self._attack.weight_factor
         runner = RobustAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=sent, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, aggregator=self._aggregator, stats=self.wire_stats,
