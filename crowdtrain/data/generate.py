@@ -50,9 +50,10 @@ class Generator:
             else default_image_tokenizer(device)
         cfg = model.config
         if image_tok.grid_size != (cfg.image_height, cfg.image_width) or image_tok.vocab_size != cfg.image_vocab_size:
-            raise TokenizerMismatch(f"checkpoint {directory}: the model draws a {cfg.image_height}x{cfg.image_width} grid of "
-                             f"{cfg.image_vocab_size} codes but the image tokenizer has {image_tok.grid_size} and "
-                             f"{image_tok.vocab_size}; save the run's tokenizer into the checkpoint")
+            raise TokenizerMismatch(
+                f"checkpoint {directory}: the model draws a {cfg.image_height}x{cfg.image_width} grid of "
+                f"{cfg.image_vocab_size} codes but the image tokenizer has {image_tok.grid_size} and "
+                f"{image_tok.vocab_size}; save the run's tokenizer into the checkpoint")
         if text_tok.vocab_size > cfg.text_vocab_size:
             raise ValueError(f"checkpoint {directory}: the text tokenizer ({text_tok.vocab_size} tokens) does not fit "
                              f"model.text_vocab_size={cfg.text_vocab_size}")
