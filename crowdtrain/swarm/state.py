@@ -100,4 +100,6 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+# hivemind names RPC handlers after the class ("TrainingStateAverager.rpc_download_state"): keep
+# the name, or peers running the plain class (hivemind itself, an older crowdtrain) could not reach us.
 ConsistentStateAverager.__name__ = ConsistentStateAverager.__qualname__ = TrainingStateAverager.__name__
