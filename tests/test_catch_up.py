@@ -247,10 +247,9 @@ def test_a_peer_left_out_of_a_round_ranks_its_state_below_the_groups_at_once():
     assert averager.state_sharing_priority == 6.5
 
 
-def test_a_peer_mid_update_serves_a_copy_never_last_epochs_parameters_as_this_epochs():
-    # The delayed update: the epoch is incremented at once, the step runs in the background. A
-    # download in between used to get the old parameters labelled with the new epoch, and the
-    # peer that took them stayed one update behind the swarm.
+@pytest.fixture
+def sgd_state_averager():
+    """A peer's state averager over one parameter of ones, SGD at lr 0.5, offloaded as in a run."""
     from crowdtrain.swarm.state import ConsistentStateAverager
 
     dht = hivemind.DHT(start=True)
@@ -259,46 +258,51 @@ def test_a_peer_mid_update_serves_a_copy_never_last_epochs_parameters_as_this_ep
                                        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
                                        offload_optimizer=True, custom_gradients=True, state_wait_s=0.5, start=True)
     try:
-        assert ConsistentStateAverager.__name__ == "TrainingStateAverager", "RPC names follow the class name"
-        opt_param = averager.optimizer.param_groups[0]["params"][0]
-        opt_param.grad = torch.ones(4)
-        release = threading.Event()
-        averager.step(increment_epoch=True, optimizer_step=True, delay_optimizer_step=True,
-                      wait_for_trigger=lambda: release.wait(10))
-        assert averager.local_epoch == 1 and averager.update_in_flight()
-        metadata, tensors, _ = averager.get_current_state()  # waits 0.5 s, then labels honestly
-        assert metadata["epoch"] == 0 and torch.equal(tensors[0], torch.ones(4))
-        served_before_the_step = tensors
-        # Asked while the update runs, answered once it is done: the new parameters, the new epoch.
-        answer = {}
-        asker = threading.Thread(target=lambda: answer.update(state=averager.get_current_state()))
-        averager.state_wait_s = 10.0
-        asker.start()
-        time.sleep(0.2)
-        release.set()
-        asker.join(10)
-        metadata, tensors, _ = answer["state"]
-        assert metadata["epoch"] == 1 and torch.allclose(tensors[0], torch.full((4,), 0.5))
-        assert not averager.update_in_flight()
-        # What was served is a copy: a download still streaming it when the step ran (minutes, over
-        # a home link) goes on sending epoch 0's parameters, not a mix of both epochs.
-        assert torch.equal(served_before_the_step[0], torch.ones(4))
+        yield averager
     finally:
         averager.shutdown()
         dht.shutdown()
 
 
-def test_a_peer_whose_step_ran_but_whose_state_round_has_not_ended_serves_the_new_epoch():
+def test_a_peer_mid_update_serves_a_copy_never_last_epochs_parameters_as_this_epochs(sgd_state_averager):
+    # The delayed update: the epoch is incremented at once, the step runs in the background. A
+    # download in between used to get the old parameters labelled with the new epoch, and the
+    # peer that took them stayed one update behind the swarm.
+    from crowdtrain.swarm.state import ConsistentStateAverager
+
+    averager = sgd_state_averager
+    assert ConsistentStateAverager.__name__ == "TrainingStateAverager", "RPC names follow the class name"
+    opt_param = averager.optimizer.param_groups[0]["params"][0]
+    opt_param.grad = torch.ones(4)
+    release = threading.Event()
+    averager.step(increment_epoch=True, optimizer_step=True, delay_optimizer_step=True,
+                  wait_for_trigger=lambda: release.wait(10))
+    assert averager.local_epoch == 1 and averager.update_in_flight()
+    metadata, tensors, _ = averager.get_current_state()  # waits 0.5 s, then labels honestly
+    assert metadata["epoch"] == 0 and torch.equal(tensors[0], torch.ones(4))
+    served_before_the_step = tensors
+    # Asked while the update runs, answered once it is done: the new parameters, the new epoch.
+    answer = {}
+    asker = threading.Thread(target=lambda: answer.update(state=averager.get_current_state()))
+    averager.state_wait_s = 10.0
+    asker.start()
+    time.sleep(0.2)
+    release.set()
+    asker.join(10)
+    metadata, tensors, _ = answer["state"]
+    assert metadata["epoch"] == 1 and torch.allclose(tensors[0], torch.full((4,), 0.5))
+    assert not averager.update_in_flight()
+    # What was served is a copy: a download still streaming it when the step ran (minutes, over
+    # a home link) goes on sending epoch 0's parameters, not a mix of both epochs.
+    assert torch.equal(served_before_the_step[0], torch.ones(4))
+
+
+def test_a_peer_whose_step_ran_but_whose_state_round_has_not_ended_serves_the_new_epoch(
+        sgd_state_averager):
     # The step and a state-averaging round run in one background update. Once the step has run,
     # the parameters are the new epoch's, even while the round goes on: labelling them with the
     # previous epoch would make the peer that takes them apply this epoch's step a second time.
-    from crowdtrain.swarm.state import ConsistentStateAverager
-
-    dht = hivemind.DHT(start=True)
-    param = torch.nn.Parameter(torch.ones(4))
-    averager = ConsistentStateAverager(dht=dht, prefix="run_state_averager", params=[param],
-                                       optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
-                                       offload_optimizer=True, custom_gradients=True, state_wait_s=0.5, start=True)
+    averager = sgd_state_averager
     round_ends = threading.Event()
     state_round = SimpleNamespace(triggered=False, done=lambda: False, allow_allreduce=lambda: None,
                                   result=lambda timeout=None: round_ends.wait(10) and {})
@@ -314,8 +318,6 @@ def test_a_peer_whose_step_ran_but_whose_state_round_has_not_ended_serves_the_ne
         assert metadata["epoch"] == 1 and torch.allclose(tensors[0], torch.full((4,), 0.5))
     finally:
         round_ends.set()
-        averager.shutdown()
-        dht.shutdown()
 
 
 def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
