@@ -22,6 +22,7 @@ from crowdtrain.train.task import Task
 logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "lamb8bit")
 
 
 @dataclass
@@ -32,6 +33,9 @@ class LocalTrainConfig:
     # that fit, estimated from the first steps' speed, so the rate still decays to zero.
     max_minutes: float | None = None
     lr: float = 3e-3
+    # "adamw", or "lamb8bit": the swarm's sync-mode optimizer (bitsandbytes), to compare a swarm
+    # with one process on equal optimizer settings.
+    optimizer: str = "adamw"
     warmup_steps: int = 50
     weight_decay: float = 0.045
     clip_grad_norm: float = 4.0
@@ -39,6 +43,8 @@ class LocalTrainConfig:
     precision: str = "fp32"  # bf16 / fp16 autocast where the device supports it
     seed: int = 0
     log_every: int = 10
+    # Also write a checkpoint every this many steps (for learning curves); None: only at the end.
+    save_every_steps: int | None = None
     out_dir: str = "runs/local"
 
     def __post_init__(self):
@@ -48,6 +54,10 @@ class LocalTrainConfig:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.save_every_steps is not None and self.save_every_steps < 1:
+            raise ValueError(f"save_every_steps must be >= 1 or None, got {self.save_every_steps}")
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be below --max-steps ({self.max_steps})")
 
@@ -61,6 +71,17 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def make_optimizer(model: torch.nn.Module, config: LocalTrainConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, config.weight_decay)
+    if config.optimizer == "lamb8bit":
+        from crowdtrain.swarm.config import SwarmConfig
+        from crowdtrain.swarm.optimizer import make_lamb
+
+        return make_lamb(groups, SwarmConfig(lr=config.lr, weight_decay=config.weight_decay,
+                                             clip_grad_norm=config.clip_grad_norm))
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.96), eps=1e-6)
+
+
 def train_local(task: Task, config: LocalTrainConfig, *, assets: dict[str, str | Path] | None = None) -> dict:
     """Train ``task`` for ``config.max_steps`` steps (or ``max_minutes``); returns the summary."""
     torch.manual_seed(config.seed)
@@ -71,7 +92,7 @@ def train_local(task: Task, config: LocalTrainConfig, *, assets: dict[str, str |
     out.mkdir(parents=True, exist_ok=True)
     model = task.build_model().to(device)
     model.train()
-    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.96), eps=1e-6)
+    optimizer = make_optimizer(model, config)
     scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
     batches = task.batches(batch_size=config.batch_size, seed_key=f"local-{config.seed}")
     logger.info("training %s: %s parameters, %s", task.name, f"{sum(p.numel() for p in model.parameters()):,}",
@@ -102,7 +123,8 @@ def train_local(task: Task, config: LocalTrainConfig, *, assets: dict[str, str |
             raise FloatingPointError(f"loss became {loss.item()} at step {step}: lower --lr or use --precision fp32")
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+        if config.optimizer == "adamw":  # the LAMB clips the gradient itself, as in the swarm
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -114,6 +136,11 @@ def train_local(task: Task, config: LocalTrainConfig, *, assets: dict[str, str |
             logger.info("step %5d | loss %.4f | %6.1f samples/s | lr %.2e", step + 1, sum(window) / len(window),
                         samples_since_log / max(now - last_log, 1e-9), config.lr * scale)
             window, samples_since_log, last_log = [], 0, now
+        if config.save_every_steps and (step + 1) % config.save_every_steps == 0:
+            save_checkpoint(out / "checkpoints" / checkpoint_name(step + 1), model, step=step + 1, loss=losses[-1],
+                            run_config={"task": task.describe(), "train": asdict(config),
+                                        "samples": (step + 1) * config.batch_size, "seconds": now - start},
+                            assets=assets)
         if config.max_minutes is not None and now - start > 60 * config.max_minutes:
             logger.info("time limit of %.1f min reached after %d steps", config.max_minutes, step + 1)
             break
@@ -129,7 +156,8 @@ def train_local(task: Task, config: LocalTrainConfig, *, assets: dict[str, str |
         "losses": losses,
     }
     ckpt = save_checkpoint(out / "checkpoints" / checkpoint_name(steps), model, step=steps, loss=summary["loss_end"],
-                           run_config={"task": task.describe(), "train": asdict(config)}, assets=assets)
+                           run_config={"task": task.describe(), "train": asdict(config),
+                                       "samples": steps * config.batch_size, "seconds": seconds}, assets=assets)
     summary["checkpoint"] = str(ckpt)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if not math.isfinite(summary["loss_end"]):
