@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--run-dir", default=None, help="folder for run state, metrics and logs (default runs/RUN_ID)")
     p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default RUN_DIR/checkpoints)")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="how many recent checkpoints to keep")
-    p.add_argument("--swarm-preset", default="default", help="swarm settings: default (the paper's) or demo")
+    p.add_argument("--swarm-preset", default="default", help="swarm settings: default (the paper's), demo (sync mode, short epochs, "
+                        "for tests on one machine) or laptop (DiLoCo, what `crowdtrain demo` runs)")
     p.add_argument("--swarm", action="append", metavar="KEY=VALUE",
                    help="override a swarm setting, e.g. --swarm target_batch_size=1024 (see SwarmConfig)")
     p.add_argument("--model", action="append", metavar="KEY=VALUE", help="override a model preset field")

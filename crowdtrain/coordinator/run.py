@@ -22,12 +22,12 @@ from pathlib import Path
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.tokens import CoordinatorKey
 from crowdtrain.model.config import get_preset
-from crowdtrain.swarm.config import SwarmConfig, demo_swarm_config
+from crowdtrain.swarm.config import SwarmConfig, demo_swarm_config, laptop_swarm_config
 
 logger = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-SWARM_PRESETS = {"default": SwarmConfig, "demo": demo_swarm_config}
+SWARM_PRESETS = {"default": SwarmConfig, "demo": demo_swarm_config, "laptop": laptop_swarm_config}
 
 
 @dataclass

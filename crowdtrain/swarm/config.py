@@ -183,3 +183,21 @@ def demo_swarm_config(run_id: str = "demo") -> SwarmConfig:
     # a higher LAMB rate than the paper's because the demo takes tens of steps, not thousands.
     return SwarmConfig(run_id=run_id, target_batch_size=256, matchmaking_time_s=3.0, averaging_timeout_s=30.0,
                        lr=0.01, warmup_epochs=5, total_epochs=150, checkpoint_every_epochs=5)
+
+
+def laptop_swarm_config(run_id: str = "demo") -> SwarmConfig:
+    """A few peers sharing one small machine (``crowdtrain demo``): DiLoCo, chosen by
+    ``benchmarks/bench_quality.py``.
+
+    On 2 cores the whole swarm computes about 60 samples/s. Sync mode then takes one optimizer
+    step per ``target_batch_size`` samples of the whole swarm (a 256-sample epoch every ~4 s, each
+    with a round of matchmaking), which is a few dozen steps in five minutes: far too few. In
+    DiLoCo mode every peer takes an AdamW step on each of its own batches, at the rate a lone
+    peer would, and the swarm averages what the peers learned every ``target_batch_size``
+    samples (about every 13 s here), so the model gets one process's number of updates with
+    every peer's data. ``total_epochs`` is for the caller to size to the run's length: the inner
+    learning rate decays to zero at its end, which is worth about 10% of held-out loss.
+    """
+    return SwarmConfig(run_id=run_id, mode="diloco", inner_optimizer="adamw", lr=3e-3, target_batch_size=768,
+                       matchmaking_time_s=3.0, averaging_timeout_s=30.0, warmup_epochs=2, total_epochs=20,
+                       checkpoint_every_epochs=2)

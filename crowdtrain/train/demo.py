@@ -9,6 +9,7 @@ of samples for fixed prompts (seen and held-out compositions) and ``summary.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -60,20 +61,40 @@ def _stop(proc: subprocess.Popen, sig: int, timeout: float) -> None:
 
 
 def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dht_port: int = 31337,
-                   out_dir: str = "runs/demo", preset: str = "demo", data: str = "shapes") -> dict:
+                   out_dir: str = "runs/demo", preset: str = "demo", data: str = "shapes",
+                   swarm_preset: str = "laptop", swarm_overrides: dict | None = None,
+                   model_overrides: dict | None = None, evaluate: bool = True, max_epochs: int | None = None,
+                   coordinator_args: list[str] = ()) -> dict:
+    """A coordinator and ``peers`` volunteers on this machine for ``minutes``; returns the summary.
+
+    The learning-rate schedule is sized to the run: the swarm's throughput is estimated from a
+    few timed steps of the model here (:func:`estimate_swarm_samples_per_s`), and
+    ``total_epochs`` set so the rate decays to zero as the time runs out. A run that resumes
+    from an earlier checkpoint gets a schedule that starts again at its epoch.
+    """
     if peers < 1:
         raise ValueError(f"--peers must be >= 1, got {peers}")
+    if minutes <= 0:
+        raise ValueError(f"--minutes must be positive, got {minutes}")
     out = Path(out_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     if data == "shapes":
         from crowdtrain.data import ensure_demo_shards
 
-        logger.info("making the bundled shapes data set (once)...")
-        data = str(ensure_demo_shards(out / "data" / "shapes"))
+        print("making the bundled shapes data set (once; later runs reuse it)...", flush=True)
+        data = str(ensure_demo_shards(out / "data" / "shapes", progress=True))
+    swarm_overrides = dict(swarm_overrides or {})
+    if "total_epochs" not in swarm_overrides:
+        swarm_overrides.update(sized_schedule(swarm_preset, swarm_overrides, minutes=minutes, peers=peers,
+                                              preset=preset, model_overrides=model_overrides or {},
+                                              resumed_epoch=_resumed_epoch(out)))
     url = f"http://127.0.0.1:{port}"
     coordinator = _spawn(["coordinator", "--run-id", "demo", "--preset", preset, "--data", data, "--host", "127.0.0.1",
                           "--port", str(port), "--dht-host", "127.0.0.1", "--dht-port", str(dht_port),
-                          "--run-dir", str(out / "run"), "--swarm-preset", "demo"], out / "logs" / "coordinator.log")
+                          "--run-dir", str(out / "run"), "--swarm-preset", swarm_preset,
+                          *[a for k, v in (swarm_overrides or {}).items() for a in ("--swarm", f"{k}={json.dumps(v)}")],
+                          *[a for k, v in (model_overrides or {}).items() for a in ("--model", f"{k}={json.dumps(v)}")],
+                          "--samples-every", "5", *coordinator_args], out / "logs" / "coordinator.log")
     volunteers: dict[str, subprocess.Popen] = {}
     try:
         deadline = time.monotonic() + 180
@@ -93,13 +114,17 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
             name = f"peer{i + 1}"
             volunteers[name] = _spawn(["join", url, "--batch-size", str(batch), "--simulated-step-s", str(step_s),
                                        "--host", "127.0.0.1", "--threads", "1", "--user", name,
-                                       "--summary-file", str(out / f"{name}.json")], out / "logs" / f"{name}.log")
+                                       "--summary-file", str(out / f"{name}.json"),
+                                       *(["--max-epochs", str(max_epochs)] if max_epochs else [])],
+                                      out / "logs" / f"{name}.log")
             print(f"  {name}: batch {batch}" + (f", a slow device ({step_s:.1f} s/step)" if step_s else ""))
         print(f"training for {minutes:g} minutes; logs in {out / 'logs'}\n")
         end = time.monotonic() + 60 * minutes
         while time.monotonic() < end:
             time.sleep(min(15.0, max(0.0, end - time.monotonic())))
             if all(proc.poll() is not None for proc in volunteers.values()):
+                if max_epochs and all(proc.returncode == 0 for proc in volunteers.values()):
+                    break  # every volunteer reached --max-epochs
                 raise RuntimeError(f"every volunteer exited early; see the logs in {out / 'logs'}")
             try:
                 status = _get(f"{url}/api/status")
@@ -116,10 +141,80 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
 
     summary = summarize(out, list(volunteers))
     summary["url"] = url
+    summary["minutes"] = minutes
+    summary["swarm"] = {"preset": swarm_preset, **swarm_overrides}
     summary["samples_grid"] = write_samples(out)
+    if evaluate and summary["checkpoint"]:
+        summary.update(evaluate_run(summary["checkpoint"], data))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
     return summary
+
+
+# Samples/s of one training process on one thread of the machine the demo's settings were
+# tuned on (2 cores), and what the 3-peer swarm made of it there: the swarm's rate scales with
+# the cores the peers can use, and with the model's speed here.
+_REFERENCE_STEP_SAMPLES_PER_S = 52.0
+_REFERENCE_SWARM_SAMPLES_PER_S = 57.0
+_REFERENCE_CORES = 2
+
+
+def estimate_swarm_samples_per_s(*, preset: str, model_overrides: dict, peers: int, steps: int = 4) -> float:
+    """The swarm's likely samples/s on this machine, from a few timed steps of the model."""
+    import torch
+
+    from crowdtrain.model.config import get_preset
+    from crowdtrain.model.transformer import DalleTransformer
+
+    config = get_preset(preset, **model_overrides)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each volunteer runs
+    try:
+        torch.manual_seed(0)
+        model = DalleTransformer(config)
+        batch = {"text": torch.randint(1, config.text_vocab_size, (16, config.text_len)),
+                 "image": torch.randint(0, config.image_vocab_size, (16, config.image_len))}
+        model(**batch).loss.backward()  # warm-up
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(**batch).loss.backward()
+        per_thread = 16 * steps / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    cores = min(os.cpu_count() or 1, peers)
+    scale = (per_thread / _REFERENCE_STEP_SAMPLES_PER_S) * (cores / min(_REFERENCE_CORES, 3))
+    return _REFERENCE_SWARM_SAMPLES_PER_S * scale
+
+
+def sized_schedule(swarm_preset: str, swarm_overrides: dict, *, minutes: float, peers: int, preset: str,
+                   model_overrides: dict, resumed_epoch: int) -> dict:
+    """``total_epochs`` (and a warm-up that fits) so the learning rate reaches zero when the run ends."""
+    from crowdtrain.coordinator.run import SWARM_PRESETS
+
+    base = dataclasses.replace(SWARM_PRESETS[swarm_preset](), **swarm_overrides)
+    rate = estimate_swarm_samples_per_s(preset=preset, model_overrides=model_overrides, peers=peers)
+    # The first ~20 s go to starting processes and forming the swarm.
+    epochs = max(3, round(max(0.0, 60 * minutes - 20) * rate / base.target_batch_size))
+    warmup = min(base.warmup_epochs, max(0, epochs // 5))
+    logger.info("expecting about %.0f samples/s: schedule of %d epochs from epoch %d", rate, epochs, resumed_epoch)
+    return {"total_epochs": resumed_epoch + epochs, "warmup_epochs": warmup}
+
+
+def _resumed_epoch(out: Path) -> int:
+    from crowdtrain.checkpoint import latest_checkpoint, read_meta
+
+    checkpoint = latest_checkpoint(out / "run" / "checkpoints")
+    return int(read_meta(checkpoint).get("step", 0)) if checkpoint is not None else 0
+
+
+def evaluate_run(checkpoint: str, data: str, *, samples_per_prompt: int = 16) -> dict:
+    """Held-out loss and prompt adherence of the run's last checkpoint (``crowdtrain eval``'s figures)."""
+    from crowdtrain.train.validate import evaluate_quality
+
+    print("evaluating the last checkpoint (held-out loss, prompt adherence)...", flush=True)
+    result = evaluate_quality(checkpoint, data=data, samples_per_prompt=samples_per_prompt)
+    return {"valid_loss": result["valid_loss"], "adherence_seen": result["adherence_seen"],
+            "adherence_heldout": result["adherence_heldout"], "eval_samples_per_prompt": samples_per_prompt}
 
 
 def summarize(out: Path, names: list[str]) -> dict:
@@ -179,6 +274,11 @@ def print_summary(s: dict) -> None:
         print(f"samples from {name:<8}{n}")
     if s["full_rounds_share"] is not None:
         print(f"rounds with all live peers  {100 * s['full_rounds_share']:.0f}% of {s['rounds']}")
+    if s.get("valid_loss") is not None:
+        print(f"held-out loss        {s['valid_loss']:.4f}")
+    if s.get("adherence_seen") is not None:
+        print(f"prompt adherence     {s['adherence_seen']:.2f} seen, {s['adherence_heldout']:.2f} held-out "
+              f"({s['eval_samples_per_prompt']} samples per prompt)")
     print(f"checkpoint           {s['checkpoint']}")
     print(f"samples              {s['samples_grid']}  (prompts in samples.txt)")
 

@@ -1,0 +1,215 @@
+"""Does training together produce a model that works? Held-out loss and prompt adherence against
+samples processed and wall time, for one process and for 3-peer swarms, on the demo model and data.
+
+Arms (``--arms``), each on this machine, each for ``--minutes`` (schedules sized to that time):
+
+- ``solo``: one process, AdamW, batch 32, lr 3e-3 (``crowdtrain train``), two threads;
+- ``sync``: three peers in sync mode with the ``demo`` swarm preset (LAMB 8-bit, lr 0.01, a
+  256-sample global batch, delayed updates), the paper's way of training together;
+- ``diloco``: three peers in DiLoCo mode with the ``laptop`` preset (AdamW inner steps at lr 3e-3,
+  an outer Nesterov step every 768 samples): what ``crowdtrain demo`` runs.
+
+Equivalence (``solo-lamb`` and ``sync-equal``, by epochs, not minutes): the same optimizer and
+schedule, the same global batch of 256, the same number of steps (``--equal-epochs``), no delayed
+update: one process with the whole batch and a 3-peer sync swarm whose peers split it unevenly
+(batches 32, 16 and a slow 8). The swarm's held-out loss should be that of the one process
+(tests/test_equivalence.py checks the maths of one round exactly).
+
+The swarms are the ``crowdtrain demo`` launcher's: a coordinator and three volunteers as real
+processes (batch 32, 16, and 8 on a slow device padded to 1.5 s a step). Points on the curves
+are checkpoints (every few epochs for swarms, every ``--save-every-s`` seconds' worth of steps
+for one process), each scored afterwards on the 256-image valid split and on the 16 fixed eval
+prompts (``crowdtrain eval``, ``--samples-per-prompt`` samples each). Samples processed at a
+swarm's checkpoint is what its peers had contributed by then (from their per-epoch records).
+
+    python benchmarks/bench_quality.py [--arms solo,sync,diloco,solo-lamb,sync-equal] [--minutes 5]
+
+Writes ``benchmarks/results/bench_quality_<time>.json`` and the plot ``docs/img/quality.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+RESULTS = Path(__file__).parent / "results"
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "quality.png"
+ARMS = ("solo", "sync", "diloco", "solo-lamb", "sync-equal")
+EQUAL = {"target_batch_size": 256, "lr": 0.01, "warmup_epochs": 5, "delay_optimizer_step": False,
+         "checkpoint_every_epochs": 5}
+
+
+def run_solo(out: Path, data: str, *, minutes: float | None, optimizer: str, batch_size: int, lr: float,
+             max_steps: int, warmup_steps: int, save_every_steps: int) -> list[dict]:
+    from crowdtrain.data import default_asset_paths
+    from crowdtrain.model.config import get_preset
+    from crowdtrain.train.local import LocalTrainConfig, train_local
+    from crowdtrain.train.task import DalleTask
+
+    task = DalleTask(get_preset("demo"), data=data)
+    config = LocalTrainConfig(batch_size=batch_size, max_steps=max_steps, max_minutes=minutes, lr=lr,
+                              optimizer=optimizer, warmup_steps=warmup_steps, save_every_steps=save_every_steps,
+                              out_dir=str(out), log_every=50)
+    train_local(task, config, assets=default_asset_paths())
+    from crowdtrain.checkpoint import list_checkpoints, read_meta
+
+    points = []
+    for ckpt in list_checkpoints(out / "checkpoints"):
+        run = read_meta(ckpt)["run"]
+        points.append({"checkpoint": str(ckpt), "samples": run["samples"], "seconds": run["seconds"]})
+    return points
+
+
+def run_swarm(out: Path, *, minutes: float, swarm_preset: str, overrides: dict, max_epochs: int | None = None,
+              port: int, dht_port: int) -> list[dict]:
+    from crowdtrain.checkpoint import list_checkpoints, read_meta
+    from crowdtrain.train.demo import run_swarm_demo
+
+    started = time.time()
+    run_swarm_demo(minutes=minutes, port=port, dht_port=dht_port, out_dir=str(out), swarm_preset=swarm_preset,
+                   swarm_overrides=overrides, evaluate=False, max_epochs=max_epochs,
+                   coordinator_args=["--keep-checkpoints", "1000", "--samples-every", "0"])
+    peers = [json.loads(p.read_text()) for p in sorted(out.glob("peer*.json"))]
+    points = []
+    for ckpt in list_checkpoints(out / "run" / "checkpoints"):
+        meta = read_meta(ckpt)
+        at = meta["time"]
+        samples = 0
+        for peer in peers:
+            done = [e["samples"] for e in peer.get("epochs", []) if e["unix"] <= at]
+            samples += done[-1] if done else 0
+        points.append({"checkpoint": str(ckpt), "epoch": meta["step"], "samples": samples, "seconds": at - started})
+    return points
+
+
+def score(points: list[dict], data: str, *, samples_per_prompt: int, max_points: int) -> list[dict]:
+    """Evaluate up to ``max_points`` checkpoints, evenly spread, always the last."""
+    from crowdtrain.train.validate import evaluate_quality
+
+    if len(points) > max_points:
+        step = (len(points) - 1) / (max_points - 1)
+        points = [points[round(i * step)] for i in range(max_points)]
+    for p in points:
+        q = evaluate_quality(p["checkpoint"], data=data, samples_per_prompt=samples_per_prompt)
+        p.update({k: q[k] for k in ("valid_loss", "adherence_seen", "adherence_heldout", "objects_seen",
+                                    "objects_heldout")})
+        logging.info("%s: %d samples, %.0f s: held-out loss %.4f, adherence %.2f seen / %.2f held-out",
+                     Path(p["checkpoint"]).name, p["samples"], p["seconds"], p["valid_loss"], p["adherence_seen"],
+                     p["adherence_heldout"])
+    return points
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for arm, r in results["arms"].items():
+        pts = r["points"]
+        x_samples = [p["samples"] / 1000 for p in pts]
+        x_minutes = [p["seconds"] / 60 for p in pts]
+        style = "--" if arm in ("solo-lamb", "sync-equal") else "-"
+        axes[0][0].plot(x_samples, [p["valid_loss"] for p in pts], style, marker="o", label=arm)
+        axes[0][1].plot(x_minutes, [p["valid_loss"] for p in pts], style, marker="o", label=arm)
+        axes[1][0].plot(x_samples, [p["adherence_seen"] for p in pts], style, marker="o", label=f"{arm} seen")
+        axes[1][0].plot(x_samples, [p["adherence_heldout"] for p in pts], ":", marker="x", label=f"{arm} held-out")
+        axes[1][1].plot(x_minutes, [p["adherence_seen"] for p in pts], style, marker="o", label=f"{arm} seen")
+    axes[0][0].set(xlabel="thousand samples processed", ylabel="held-out loss")
+    axes[0][1].set(xlabel="minutes", ylabel="held-out loss")
+    axes[1][0].set(xlabel="thousand samples processed", ylabel="prompt adherence", ylim=(-0.02, 1.02))
+    axes[1][1].set(xlabel="minutes", ylabel="prompt adherence (seen)", ylim=(-0.02, 1.02))
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"demo model on shapes, 2-core CPU ({results['date']})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
+def table(results: dict) -> str:
+    lines = [f"{'arm':11s} {'minutes':>7s} {'samples':>8s} {'held-out loss':>13s} {'seen':>5s} {'held-out':>8s}"]
+    for arm, r in results["arms"].items():
+        last = r["points"][-1]
+        lines.append(f"{arm:11s} {last['seconds'] / 60:7.1f} {last['samples']:8d} {last['valid_loss']:13.4f} "
+                     f"{last['adherence_seen']:5.2f} {last['adherence_heldout']:8.2f}")
+    if {"solo-lamb", "sync-equal"} <= set(results["arms"]):
+        a = results["arms"]["solo-lamb"]["points"][-1]["valid_loss"]
+        b = results["arms"]["sync-equal"]["points"][-1]["valid_loss"]
+        lines.append(f"equivalence: sync swarm / one process held-out loss at equal steps = {b / a:.3f} "
+                     f"({100 * (b / a - 1):+.1f}%)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--minutes", type=float, default=5.0, help="training time of each timed arm")
+    parser.add_argument("--equal-epochs", type=int, default=40, help="steps of the two equivalence arms")
+    parser.add_argument("--samples-per-prompt", type=int, default=8)
+    parser.add_argument("--points", type=int, default=4, help="checkpoints scored per arm")
+    parser.add_argument("--out", default=None, help="work folder (default: a temporary one)")
+    parser.add_argument("--port", type=int, default=8311)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}; choose from {ARMS}")
+
+    from crowdtrain.data import ensure_demo_shards
+
+    work = Path(args.out or tempfile.mkdtemp(prefix="bench_quality_"))
+    data = str(ensure_demo_shards(work / "data", progress=True))
+    results = {"date": time.strftime("%Y-%m-%d %H:%M"), "minutes": args.minutes, "equal_epochs": args.equal_epochs,
+               "samples_per_prompt": args.samples_per_prompt, "arms": {}}
+    steps_for_5_points = None
+    for i, arm in enumerate(arms):
+        out = work / arm
+        t0 = time.time()
+        swarm_ports = {"port": args.port + i, "dht_port": args.port + 100 + i}
+        if arm == "solo":
+            points = run_solo(out, data, minutes=args.minutes, optimizer="adamw", batch_size=32, lr=3e-3,
+                              max_steps=100_000, warmup_steps=50, save_every_steps=int(args.minutes * 60 * 1.6 / 6)
+                              or 1)
+        elif arm == "solo-lamb":
+            steps_for_5_points = max(1, args.equal_epochs // 5)
+            points = run_solo(out, data, minutes=None, optimizer="lamb8bit", batch_size=EQUAL["target_batch_size"],
+                              lr=EQUAL["lr"], max_steps=args.equal_epochs, warmup_steps=EQUAL["warmup_epochs"],
+                              save_every_steps=steps_for_5_points)
+        elif arm == "sync":
+            points = run_swarm(out, minutes=args.minutes, swarm_preset="demo", overrides={}, **swarm_ports)
+        elif arm == "diloco":
+            points = run_swarm(out, minutes=args.minutes, swarm_preset="laptop", overrides={}, **swarm_ports)
+        else:  # sync-equal
+            overrides = {**EQUAL, "total_epochs": args.equal_epochs, "checkpoint_every_epochs":
+                         max(1, args.equal_epochs // 5)}
+            points = run_swarm(out, minutes=60, swarm_preset="demo", overrides=overrides,
+                               max_epochs=args.equal_epochs, **swarm_ports)
+        if not points:
+            raise RuntimeError(f"arm {arm} wrote no checkpoint; see {out}")
+        results["arms"][arm] = {"train_s": time.time() - t0,
+                                "points": score(points, data, samples_per_prompt=args.samples_per_prompt,
+                                                max_points=args.points)}
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"bench_quality_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    print(f"results: {path}")
+    if len(results["arms"]) >= 1:
+        plot(results, PLOT)
+        print(f"plot: {PLOT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
