@@ -22,7 +22,12 @@ for one process), each scored afterwards on the 256-image valid split and on the
 prompts (``crowdtrain eval``, ``--samples-per-prompt`` samples each). Samples processed at a
 swarm's checkpoint is what its peers had contributed by then (from their per-epoch records).
 
+Factors (``f-*`` arms, one process, ``--factor-samples`` each): what sync mode's settings cost
+per sample, one at a time: the shipped 150-epoch schedule, the global batch of 256 against
+8x more updates at 32, LAMB against AdamW (see ``FACTORS``).
+
     python benchmarks/bench_quality.py [--arms solo,sync,diloco,solo-lamb,sync-equal] [--minutes 5]
+    python benchmarks/bench_quality.py --arms f-shipped,f-sized,f-lamb-b32,f-adamw-b256,f-adamw-b32
 
 Writes ``benchmarks/results/bench_quality_<time>.json`` and the plot ``docs/img/quality.png``.
 """
@@ -42,12 +47,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 RESULTS = Path(__file__).parent / "results"
 PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "quality.png"
 ARMS = ("solo", "sync", "diloco", "solo-lamb", "sync-equal")
+# What makes sync mode learn less per sample, one change at a time, in one process (the maths of
+# a sync swarm without its network: tests/test_equivalence.py), for ``--factor-samples`` samples:
+# (optimizer, batch, peak lr, warm-up steps, schedule length in steps or None = the run's length).
+FACTORS = {
+    "f-shipped": ("lamb8bit", 256, 0.01, 5, 150),  # the shipped demo's sync settings
+    "f-sized": ("lamb8bit", 256, 0.01, 5, None),  # ... with the schedule ending when the run does
+    "f-lamb-b32": ("lamb8bit", 32, 0.01, 40, None),  # ... and 8x the updates (an 8x smaller global batch)
+    "f-adamw-b256": ("adamw", 256, 3e-3, 5, None),  # the demo's optimizer at the sync batch
+    "f-adamw-b32": ("adamw", 32, 3e-3, 40, None),  # one process's best (= the solo arm, by samples)
+}
 EQUAL = {"target_batch_size": 256, "lr": 0.01, "warmup_epochs": 5, "delay_optimizer_step": False,
          "checkpoint_every_epochs": 5}
 
 
 def run_solo(out: Path, data: str, *, minutes: float | None, optimizer: str, batch_size: int, lr: float,
-             max_steps: int, warmup_steps: int, save_every_steps: int) -> list[dict]:
+             max_steps: int, warmup_steps: int, save_every_steps: int, schedule_steps: int | None = None) -> list[dict]:
     from crowdtrain.data import default_asset_paths
     from crowdtrain.model.config import get_preset
     from crowdtrain.train.local import LocalTrainConfig, train_local
@@ -56,7 +71,7 @@ def run_solo(out: Path, data: str, *, minutes: float | None, optimizer: str, bat
     task = DalleTask(get_preset("demo"), data=data)
     config = LocalTrainConfig(batch_size=batch_size, max_steps=max_steps, max_minutes=minutes, lr=lr,
                               optimizer=optimizer, warmup_steps=warmup_steps, save_every_steps=save_every_steps,
-                              out_dir=str(out), log_every=50)
+                              schedule_steps=schedule_steps, out_dir=str(out), log_every=50)
     train_local(task, config, assets=default_asset_paths())
     from crowdtrain.checkpoint import list_checkpoints, read_meta
 
@@ -155,6 +170,7 @@ def main() -> int:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--minutes", type=float, default=5.0, help="training time of each timed arm")
     parser.add_argument("--equal-epochs", type=int, default=40, help="steps of the two equivalence arms")
+    parser.add_argument("--factor-samples", type=int, default=15_000, help="samples of each f-* arm")
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--points", type=int, default=4, help="checkpoints scored per arm")
     parser.add_argument("--out", default=None, help="work folder (default: a temporary one)")
@@ -162,9 +178,9 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(ARMS))
+    unknown = sorted(set(arms) - set(ARMS) - set(FACTORS))
     if unknown:
-        parser.error(f"unknown arm(s) {unknown}; choose from {ARMS}")
+        parser.error(f"unknown arm(s) {unknown}; choose from {ARMS + tuple(FACTORS)}")
 
     from crowdtrain.data import ensure_demo_shards
 
@@ -177,7 +193,12 @@ def main() -> int:
         out = work / arm
         t0 = time.time()
         swarm_ports = {"port": args.port + i, "dht_port": args.port + 100 + i}
-        if arm == "solo":
+        if arm in FACTORS:
+            optimizer, batch, lr, warmup, schedule = FACTORS[arm]
+            steps = max(warmup + 1, args.factor_samples // batch)
+            points = run_solo(out, data, minutes=None, optimizer=optimizer, batch_size=batch, lr=lr, max_steps=steps,
+                              warmup_steps=warmup, save_every_steps=max(1, steps // 3), schedule_steps=schedule)
+        elif arm == "solo":
             points = run_solo(out, data, minutes=args.minutes, optimizer="adamw", batch_size=32, lr=3e-3,
                               max_steps=100_000, warmup_steps=50, save_every_steps=int(args.minutes * 60 * 1.6 / 6)
                               or 1)

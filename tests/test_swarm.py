@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from crowdtrain.model import DalleTransformer, get_preset
-from crowdtrain.train.task import DalleTask
+from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
 
 
 def eval_loss(path) -> float:
@@ -87,15 +87,16 @@ def test_three_unequal_peers_train_one_model(swarm_factory):
 
 
 @pytest.mark.timeout(480)
-def test_two_peers_and_one_peer_learn_with_the_same_global_batch(swarm_factory, tmp_path):
-    """Same samples, same global batch, same number of optimizer steps, same update rule.
+def test_two_peers_learn_what_one_peer_learns_with_the_same_global_batch(swarm_factory, tmp_path):
+    """Same global batch, same number of optimizer steps, same update rule: real processes.
 
-    Without the delayed update: with it, a peer computes the next epoch's gradients on the
-    parameters from before the step still in flight (one step stale while the round lasts),
-    where a lone peer's step is done at once. In these 3 s epochs a round lasts 97% of the
-    epoch, so the pair trained a step behind and learned 0.0-0.2x what the solo peer did; with
-    the update in line, 0.60x and 0.82x (2026-11-22). In a real run a round is a few percent of
-    an epoch (minutes of compute), which is where the paper's delayed update pays.
+    The exact maths of a round is checked in tests/test_equivalence.py; this is the end-to-end
+    check that whole runs agree. Without the delayed update, whose one-step-stale gradients cost
+    a lot in 3 s epochs where a round fills most of the epoch. Measured: the pair's loss gain
+    1.15x the lone peer's; 0.60-0.82x while hivemind's initializing LAMB step still counted in
+    the bias correction (ClippedLAMB8bit). Both peers end with the same parameters (gradient
+    rounds give every member the same average; a peer stepping on its own gradients would drift
+    off by a whole update per epoch).
     """
     epochs = 10
     in_line = {"delay_optimizer_step": False}
@@ -119,7 +120,15 @@ def test_two_peers_and_one_peer_learn_with_the_same_global_batch(swarm_factory, 
     start = initial_loss()
     solo_gain, pair_gain = start - solo_loss, start - pair_loss
     print(f"loss from {start:.3f}: solo {solo_loss:.3f}, pair {pair_loss:.3f}; pair/solo gain {pair_gain / solo_gain:.2f}")
-    assert solo_gain > 0.15 and pair_gain > 0.15, (start, solo_loss, pair_loss)
+    assert solo_gain > 0.15, (start, solo_loss)
+    # Run-to-run noise (data order, rounds on a busy machine) moves the ratio by about 0.2.
+    assert 0.7 < pair_gain / solo_gain < 1.45, (start, solo_loss, pair_loss)
+    p1, p2 = (load_file(str(pair.tmp / f"{n}.safetensors")) for n in ("p1", "p2"))
+    init = build_initial_model(DalleTask(get_preset("tiny")), stable_seed("test")).state_dict()  # the run's
+    moved = sum((p1[k] - v).norm() ** 2 for k, v in init.items()) ** 0.5
+    apart = sum((p1[k] - p2[k]).norm() ** 2 for k in p1) ** 0.5
+    print(f"the peers' parameters are {apart / moved:.2e} of their distance from the start apart")
+    assert apart / moved < 0.02, (apart, moved)
 
 
 @pytest.mark.timeout(600)

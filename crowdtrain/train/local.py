@@ -28,7 +28,10 @@ OPTIMIZERS = ("adamw", "lamb8bit")
 @dataclass
 class LocalTrainConfig:
     batch_size: int = 32
-    max_steps: int = 1000  # also the length of the LR schedule
+    max_steps: int = 1000  # also the length of the LR schedule, unless schedule_steps is given
+    # A schedule longer than the run (as a swarm's ``total_epochs`` that a short run never reaches):
+    # the rate is still high when training stops. For measuring what that costs.
+    schedule_steps: int | None = None
     # Stop when this much wall time has passed; the LR schedule is then shortened to the steps
     # that fit, estimated from the first steps' speed, so the rate still decays to zero.
     max_minutes: float | None = None
@@ -58,6 +61,8 @@ class LocalTrainConfig:
             raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.save_every_steps is not None and self.save_every_steps < 1:
             raise ValueError(f"save_every_steps must be >= 1 or None, got {self.save_every_steps}")
+        if self.schedule_steps is not None and self.schedule_steps <= self.warmup_steps:
+            raise ValueError(f"schedule_steps ({self.schedule_steps}) must exceed --warmup-steps ({self.warmup_steps})")
         if self.warmup_steps >= self.max_steps:
             raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be below --max-steps ({self.max_steps})")
 
@@ -102,16 +107,16 @@ def train_local(task: Task, config: LocalTrainConfig, *, assets: dict[str, str |
     window: list[float] = []
     start = last_log = time.perf_counter()
     samples_since_log = 0
-    schedule_steps, warmup_steps = config.max_steps, config.warmup_steps
+    schedule_steps, warmup_steps = config.schedule_steps or config.max_steps, config.warmup_steps
     for step in range(config.max_steps):
-        if config.max_minutes is not None and step == 5:
+        if config.max_minutes is not None and config.schedule_steps is None and step == 5:
             seconds_per_step = (time.perf_counter() - start) / 5
             fit = int(60 * config.max_minutes / seconds_per_step)
             schedule_steps = max(10, min(config.max_steps, fit))
             warmup_steps = min(config.warmup_steps, schedule_steps // 10)
             logger.info("%.2f s/step: about %d steps fit in %.1f min; LR schedule set to %d steps",
                         seconds_per_step, fit, config.max_minutes, schedule_steps)
-        if step >= schedule_steps:
+        if config.schedule_steps is None and step >= schedule_steps:  # the time-sized schedule has ended
             break
         scale = linear_warmup_decay(step, warmup_steps=warmup_steps, total_steps=schedule_steps)
         for group in optimizer.param_groups:
