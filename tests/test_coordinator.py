@@ -21,6 +21,8 @@ from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, unfla
 
 
 def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():
+    from hivemind.compression import TensorRole
+
     policy = PaperCompression(threshold=2**16)
     choose = lambda t: type(policy.choose_compression(CompressionInfo.from_tensor(t)))
     assert choose(torch.zeros(2**16)) is Uniform8Bit
@@ -30,6 +32,12 @@ def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():
     restored = policy.extract(policy.compress(big, CompressionInfo.from_tensor(big)))
     # Uniform 8-bit bins span +-3 sigma (outliers clip): typical error is a fraction of a bin.
     assert (restored - big).abs().mean() < 0.02 * big.std()
+    # Parameters (state rounds, downloads) always go as fp16: an 8-bit round trip moves weights by
+    # one or more optimizer steps' worth.
+    param_info = CompressionInfo.from_tensor(big, role=TensorRole.PARAMETER)
+    assert type(policy.choose_compression(param_info)) is Float16Compression
+    restored = policy.extract(policy.compress(big, param_info))
+    assert (restored - big).abs().max() < 1e-3 * big.abs().max()
     codes = torch.randint(0, 255, (2**17,), dtype=torch.uint8)
     assert torch.equal(policy.extract(policy.compress(codes, CompressionInfo.from_tensor(codes))), codes)
     # Bytes on the wire: 1 byte per element (plus a codebook) vs 4 for fp32.

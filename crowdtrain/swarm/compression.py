@@ -85,6 +85,16 @@ install_fast_decoder()
 
 
 class PaperCompression(AdaptiveCompressionBase):
+    """Gradients (and DiLoCo's pseudo-gradients) of ``threshold`` elements or more: 8-bit, the
+    paper's choice; smaller ones fp16. Parameters (state averaging, state downloads): always fp16.
+
+    An 8-bit round trip moves each weight by about 1/100 of the tensor's spread. For a gradient
+    that is noise on one update; for the parameters themselves it is noise of the size of one
+    to three whole LAMB steps at lr 0.01 (measured on the demo model: rms error 2-3e-3 against
+    steps of 1e-3), added to every weight at every state round (every ``average_state_every``
+    epochs), and more at the paper's lr 2.5e-3. fp16 moves them by 1-2% of a step, for one more
+    byte per parameter in rounds that come every few epochs."""
+
     def __init__(self, threshold: int = 2**16):
         self.threshold = threshold
         self.small, self.large, self.exact = Float16Compression(), Uniform8Bit(), NoCompression()
@@ -92,6 +102,8 @@ class PaperCompression(AdaptiveCompressionBase):
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:
         if not info.descriptor.dtype.is_floating_point or info.role == TensorRole.OPTIMIZER:
             return self.exact
+        if info.role == TensorRole.PARAMETER:
+            return self.small
         return self.large if info.descriptor.numel() >= self.threshold else self.small
 
 
