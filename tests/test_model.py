@@ -11,10 +11,14 @@ from crowdtrain.measure import peak_memory_bytes
 from crowdtrain.model import DalleTransformer, ModelConfig, generate_images, get_preset
 from crowdtrain.model import attention
 from crowdtrain.model.attention import Attention, choose_impl, pattern_mask
+from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, sampling_filters
 from crowdtrain.model.info import build_meta_model, model_info
-from crowdtrain.model.sampling import filter_logits
+from crowdtrain.model.sampling import filter_logits, sample_next
+from crowdtrain.model.token_shift import shift_tokens
 
 PATTERNS = ["full", "axial_row", "axial_col", "conv_like"]
+# Token shift and LayerScale, off and on: every path must stay exact with both.
+OPTIONS = [pytest.param({}, id="plain"), pytest.param(dict(token_shift=True, layer_scale=True), id="shift+scale")]
 
 
 def small_config(**overrides) -> ModelConfig:
@@ -45,6 +49,8 @@ def test_config_rejects_inconsistent_layers_with_a_clear_message():
         small_config(patterns=("full", "full", "diagonal", "full"))
     with pytest.raises(ValueError, match="dropout must be 0"):
         small_config(reversible=True, dropout=0.1)
+    with pytest.raises(ValueError, match="model.token_shift=False"):
+        small_config(width=30, token_shift=True)
 
 
 def test_config_round_trips_through_dict_and_fingerprint_tracks_architecture():
@@ -53,6 +59,9 @@ def test_config_round_trips_through_dict_and_fingerprint_tracks_architecture():
     assert again == cfg and again.fingerprint() == cfg.fingerprint()
     assert dataclasses.replace(cfg, checkpointing=True).fingerprint() == cfg.fingerprint()
     assert dataclasses.replace(cfg, width=512, head_dim=32).fingerprint() != cfg.fingerprint()
+    assert cfg.token_shift and cfg.layer_scale, "the paper preset uses both"
+    for option in ("token_shift", "layer_scale"):
+        assert dataclasses.replace(cfg, **{option: False}).fingerprint() != cfg.fingerprint(), option
     with pytest.raises(ValueError, match="unknown model config key"):
         ModelConfig.from_dict({**cfg.to_dict(), "widht": 3})
 
@@ -162,6 +171,98 @@ def test_a_prefix_of_whole_rows_gives_the_full_sequences_outputs():
     model.attention_impl = "sparse"
     with pytest.raises(ValueError, match="choose from"):
         model.run_layers(x, keep)
+
+
+# ---- token shift ---------------------------------------------------------------------------
+def test_token_shift_moves_the_documented_channels():
+    cfg = small_config(width=8, text_len=4, image_height=3, image_width=3)
+    t, w, n = cfg.text_len, cfg.image_width, cfg.seq_len
+    keep = torch.tensor([[True, True, True, False]])  # the last text slot is padding
+    x = (torch.arange(n, dtype=torch.float64)[:, None] + 1) * torch.ones(1, 8, dtype=torch.float64)
+    x = x + torch.arange(8) / 10  # value = position + 1 + channel / 10
+    out, past = shift_tokens(x[None], 0, cfg, keep)
+    out = out[0]
+    src = lambda pos, ch: 0.0 if pos is None else pos + 1 + ch / 10
+    for pos in range(n):
+        for ch in range(8):
+            if pos < t:
+                prev = pos - 1 if pos >= 1 and keep[0, pos - 1] else None
+                want = src(prev, ch) if ch < 4 else src(pos, ch)
+            else:
+                r, c = divmod(pos - t, w)
+                if ch < 2:
+                    want = src(pos - w if r > 0 else None, ch)
+                elif ch < 4:
+                    want = src(pos - 1 if c > 0 else None, ch)
+                else:
+                    want = src(pos, ch)
+            assert out[pos, ch].item() == pytest.approx(want), (pos, ch)
+    assert torch.equal(past[0], x[-w:, :4]), "the past is the moving channels of the last image_width inputs"
+    # The image-start cell reads nothing (first row and column), not the (padded) last text slot.
+    assert (out[t, :4] == 0).all()
+
+
+@pytest.mark.parametrize("reversible", [False, True])
+@pytest.mark.parametrize("impl", ["dense", "efficient"])
+def test_outputs_at_position_k_ignore_every_later_input_with_token_shift(reversible, impl):
+    """Causality with the shift on: perturb the inputs at every position after k; the logits at
+    positions 0..k must not move, for every k and all four patterns."""
+    torch.manual_seed(0)
+    cfg = small_config(token_shift=True, layer_scale=True, reversible=reversible)
+    model = DalleTransformer(cfg).double().eval()
+    model.attention_impl = impl
+    text, image = random_batch(cfg, batch=2)
+    keep = model.text_keep(text)
+    x = model.embed(text, model.image_stream(image))
+
+    def logits(inputs):
+        h = model.final_norm(model.run_layers(inputs, keep))
+        return torch.cat([model.logits(h, "text"), model.logits(h, "image")], dim=-1)
+
+    with torch.no_grad():
+        reference = logits(x)
+        noise = torch.randn_like(x)
+        for k in range(cfg.seq_len - 1):
+            moved = x.clone()
+            moved[:, k + 1:] += noise[:, k + 1:]
+            out = logits(moved)
+            torch.testing.assert_close(out[:, : k + 1], reference[:, : k + 1], rtol=1e-12, atol=1e-12,
+                                       msg=f"position <= {k} saw a later input")
+            assert not torch.allclose(out[:, k + 1], reference[:, k + 1]), "the perturbation reached position k+1"
+
+
+# ---- LayerScale ----------------------------------------------------------------------------
+def test_layer_scale_is_per_layer_even_when_modules_are_shared_and_starts_as_the_papers_code():
+    cfg = small_config(depth=26, patterns=("axial_row", "axial_col") * 13, share_ids=(0, 1) * 13, layer_scale=True)
+    model = DalleTransformer(cfg)
+    assert model.layer_modules(0)[1] is model.layer_modules(2)[1], "attention shared"
+    assert model.layers[0].attn_scale is not model.layers[2].attn_scale
+    for i, own in enumerate(model.layers):
+        want = 0.1 if i + 1 <= 18 else 1e-5 if i + 1 <= 24 else 1e-6
+        for scale in (own.attn_scale, own.ff_scale):
+            assert scale.shape == (cfg.width,) and torch.all(scale == torch.tensor(want)), (i, scale[0].item())
+    plain = DalleTransformer(dataclasses.replace(cfg, layer_scale=False))
+    extra = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in plain.parameters())
+    assert extra == 2 * cfg.depth * cfg.width
+    assert model_info(cfg)["unique_params"] - model_info(plain.config)["unique_params"] == extra
+
+
+@pytest.mark.parametrize("reversible", [False, True])
+def test_zero_layer_scales_make_every_layer_the_identity(reversible):
+    """Both branches of every layer go through their layer's scale (training and decoding)."""
+    torch.manual_seed(0)
+    cfg = small_config(layer_scale=True, token_shift=True, reversible=reversible)
+    model = DalleTransformer(cfg).double().eval()
+    with torch.no_grad():
+        for own in model.layers:
+            own.attn_scale.zero_()
+            own.ff_scale.zero_()
+    text, image = random_batch(cfg)
+    x = model.embed(text, model.image_stream(image))
+    torch.testing.assert_close(model.run_layers(x, model.text_keep(text)), x, rtol=0, atol=0)
+    state = model.new_decode_state(text)
+    ids = torch.cat([text, model.image_stream(image)[:, :1]], dim=1)
+    torch.testing.assert_close(model.decode_step(ids, 0, state), model.final_norm(x[:, : cfg.text_len + 1]))
 
 
 def test_static_block_bias_cache_is_keyed_by_shape_device_and_dtype():
@@ -278,9 +379,10 @@ def test_paper_preset_has_the_papers_parameter_counts_on_the_meta_device():
 
 
 # ---- reversible and checkpointed stacks ----------------------------------------------------
-def test_reversible_gradients_equal_plain_autograd_of_the_same_coupling():
+@pytest.mark.parametrize("options", OPTIONS)
+def test_reversible_gradients_equal_plain_autograd_of_the_same_coupling(options):
     torch.manual_seed(0)
-    cfg = small_config(reversible=True)
+    cfg = small_config(reversible=True, **options)
     model = DalleTransformer(cfg).double()
     text, image = random_batch(cfg)
 
@@ -295,9 +397,10 @@ def test_reversible_gradients_equal_plain_autograd_of_the_same_coupling():
         torch.testing.assert_close(recomputed[name], reference[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("options", OPTIONS)
+def test_checkpointing_gives_the_same_gradients(options):
     torch.manual_seed(0)
-    cfg = small_config()
+    cfg = small_config(**options)
     model = DalleTransformer(cfg).double()
     text, image = random_batch(cfg)
     model(text, image).loss.backward()
@@ -334,11 +437,18 @@ def test_reversible_activation_memory_does_not_grow_with_depth():
 
 
 # ---- decoding ----------------------------------------------------------------------------
+@pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("reversible", [False, True])
-def test_cached_decoding_logits_equal_the_full_forward(reversible):
+def test_cached_decoding_logits_equal_the_full_forward(reversible, options):
+    """All four patterns (small_config has one layer of each); with token shift the cache also
+    carries each branch's previous token and row above."""
     torch.manual_seed(0)
-    cfg = small_config(reversible=reversible, rotary=True)
+    cfg = small_config(reversible=reversible, rotary=True, **options)
     model = DalleTransformer(cfg).double()
+    with torch.no_grad():  # norms and scales away from their initial values, so each one matters
+        for own in model.layers:
+            for p in own.parameters():
+                p.add_(0.3 * torch.randn_like(p))
     text, _ = random_batch(cfg)
     codes, logits = generate_images(model, text, seed=3, top_k=None, return_logits=True)
     assert codes.shape == (3, cfg.image_height, cfg.image_width)
@@ -391,9 +501,10 @@ def test_decode_steps_read_exactly_the_keys_each_pattern_allows(conv_kernel):
     assert state.step_inputs("axial_row", 2, t)[0] is None, "prefill attends over every key"
 
 
-def test_cached_decoding_under_bf16_autocast_follows_fp32():
+@pytest.mark.parametrize("options", OPTIONS)
+def test_cached_decoding_under_bf16_autocast_follows_fp32(options):
     torch.manual_seed(0)
-    cfg = small_config()
+    cfg = small_config(**options)
     model = DalleTransformer(cfg)
     text, _ = random_batch(cfg)
     _, reference = generate_images(model, text, temperature=0, return_logits=True)
@@ -424,6 +535,52 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert probs[0] < 0.75 < probs[0] + probs[1]
     assert torch.isfinite(filter_logits(logits, top_p=0.75)).tolist() == [[True, True, False, False, False]]
     assert torch.isfinite(filter_logits(logits, top_p=0.5)).tolist() == [[True, False, False, False, False]]
+
+
+def test_temperature_reshapes_only_what_the_filter_kept_on_the_raw_logits():
+    """Top-p 0.75 on raw logits [4, 3, 2, 1, 0] keeps two tokens (0.64 + 0.24). Dividing by the
+    temperature first would keep three at T=2 (0.43, 0.26, 0.16) and one at T=0.5 (0.87)."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(4000, -1)
+    g = torch.Generator().manual_seed(0)
+    for temperature in (2.0, 0.5):
+        drawn = sample_next(logits, temperature=temperature, top_k=None, top_p=0.75, generator=g)
+        assert set(drawn.tolist()) == {0, 1}, temperature
+    hot = sample_next(logits, temperature=2.0, top_k=None, top_p=0.75, generator=g).float().mean().item()
+    cold = sample_next(logits, temperature=0.5, top_k=None, top_p=0.75, generator=g).float().mean().item()
+    assert cold < 0.2 < hot, "the temperature still sharpens or flattens the survivors"
+
+
+def test_samplers_default_to_one_filter_and_flags_choose_exactly_what_was_given():
+    import argparse
+    import inspect
+
+    from crowdtrain.data import cli as data_cli
+    from crowdtrain.data.config import GenerateConfig
+    from crowdtrain.data.evaluate import evaluate_generator
+    from crowdtrain.data.generate import Generator
+
+    assert (DEFAULT_TOP_K is None) != (DEFAULT_TOP_P is None), "the paper: top-k 256 or top-p 0.75, not both"
+    assert (DEFAULT_TOP_K, DEFAULT_TOP_P) == (256, None)
+    defaults = lambda f: {k: v.default for k, v in inspect.signature(f).parameters.items()}
+    for sampler in (generate_images, evaluate_generator, Generator.sample):
+        d = defaults(sampler)
+        assert (d["top_k"], d["top_p"]) == (DEFAULT_TOP_K, DEFAULT_TOP_P), sampler
+    assert (GenerateConfig().top_k, GenerateConfig().top_p) == (DEFAULT_TOP_K, DEFAULT_TOP_P)
+
+    parser = argparse.ArgumentParser()
+    data_cli.register(parser.add_subparsers())
+    for command in (["generate", "--checkpoint", "c", "a red circle"], ["eval", "--checkpoint", "c"]):
+        resolve = lambda *flags: data_cli._resolved_filters(parser.parse_args(command + list(flags)))
+        assert resolve() == (DEFAULT_TOP_K, DEFAULT_TOP_P)
+        assert resolve("--top-p", "0.75") == (None, 0.75), "top-p alone replaces the default top-k"
+        assert resolve("--top-k", "64") == (64, None)
+        assert resolve("--top-k", "256", "--top-p", "0.75") == (256, 0.75), "both on request"
+        assert resolve("--top-k", "0", "--top-p", "0.9") == (None, 0.9)
+    with pytest.raises(ValueError, match="--top-p"):
+        sampling_filters(top_p=1.5)
+    # Both given: top-k first, then the nucleus of the renormalised survivors.
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.isfinite(filter_logits(logits, top_k=3, top_p=0.7)).tolist() == [[True, True, False, False, False]]
 
 
 # ---- training ----------------------------------------------------------------------------

@@ -223,7 +223,11 @@ class KVCache:
 
 
 class DecodeState:
-    """Everything incremental decoding keeps between steps: per-layer caches and the masks.
+    """Everything incremental decoding keeps between steps: per-layer caches and the masks, and
+    with token shift each layer's ``shift_past``: for its attention and its feed-forward branch,
+    the half of the normalized input channels that move, at the last ``image_width`` positions
+    (the previous token and the row above are all a shifted position reads;
+    ``crowdtrain.model.token_shift``).
 
     The image-to-image part of each pattern's mask is built once, ``(image_len, image_len)``,
     as an additive bias; a step's bias row is the real-text bias plus one row of it (one cat
@@ -240,6 +244,8 @@ class DecodeState:
         self.config = config
         self.text_keep = text_keep
         self.caches = [KVCache(config.seq_len) for _ in range(config.depth)]
+        self.shift_past: list[list[torch.Tensor | None]] = [[None, None] for _ in range(config.depth)]
+        self._memo: dict = {}
         cells = torch.arange(config.image_len, device=text_keep.device)
         self.image_allowed = {p: image_pattern_allows(p, cells, cells, width=config.image_width,
                                                       conv_kernel=config.conv_kernel)
@@ -249,6 +255,12 @@ class DecodeState:
         self._additive: dict = {}  # (name, dtype) -> additive bias tables, built on first use
         self._step: tuple | None = None
         self._step_masks: dict = {}
+
+    def memo(self, key, build):
+        """``build()`` once per key for the whole decode (token shift's padding multipliers)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def _table(self, name, dtype: torch.dtype) -> torch.Tensor:
         key = (name, dtype)

@@ -5,6 +5,9 @@ followed by an ``image_height x image_width`` grid of VQ codes in raster order. 
 patterns and weight sharing are data: ``patterns[i]`` names layer i's image-attention pattern
 and ``share_ids[i]`` its sharing group (layers with the same id use the same attention and
 feed-forward module objects).
+
+The sampling defaults (``DEFAULT_TOP_K``, ``DEFAULT_TOP_P``) live here too, torch-free, so that
+every sampler and every CLI flag reads the same ones.
 """
 
 from __future__ import annotations
@@ -40,6 +43,16 @@ class ModelConfig:
     checkpointing: bool = False  # per-layer activation checkpointing (ignored when reversible)
     image_loss_weight: float = 7.0  # loss = (CE_text + w * CE_image) / (1 + w)
     dropout: float = 0.0
+    # Token shift (crowdtrain.model.token_shift): every block's input takes half its channels
+    # from the previous text token, or a quarter each from the image cell above and the cell
+    # to the left. Needs width divisible by 4. The paper's code uses it; it costs a few copies
+    # per block and changes no parameter.
+    token_shift: bool = False
+    # LayerScale: each layer (never shared, even when its modules are) multiplies its attention
+    # and feed-forward outputs by a learned per-channel vector before the residual add,
+    # initialised small and smaller with depth (layer_scale_init), so deep stacks start close
+    # to the identity and train stably.
+    layer_scale: bool = False
 
     def __post_init__(self):
         # Lists from JSON or the CLI become tuples, so configs stay hashable and comparable.
@@ -80,6 +93,10 @@ class ModelConfig:
                              "(set model.dropout=0 or model.reversible=False)")
         if self.image_loss_weight < 0:
             raise ValueError("model.image_loss_weight must be >= 0")
+        if self.token_shift and self.width % 4 != 0:
+            raise ValueError(f"token shift moves a quarter of the channels from the cell above and one from the "
+                             f"cell to the left; model.width={self.width} is not a multiple of 4 (change "
+                             "model.width or set model.token_shift=False)")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -131,6 +148,42 @@ class ModelConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def layer_scale_init(layer: int) -> float:
+    """Initial LayerScale value of 1-based ``layer``, as the paper's code (from CaiT): 0.1 up to
+    layer 18, 1e-5 up to 24, 1e-6 beyond. Deeper layers start nearer zero so that the sum of
+    many residual branches stays small at initialisation."""
+    if layer <= 18:
+        return 0.1
+    if layer <= 24:
+        return 1e-5
+    return 1e-6
+
+
+# ---- sampling defaults ---------------------------------------------------------------------
+# The paper found "top-k 256 or top-p 0.75" better than plain sampling: one filter, not both.
+# Every sampler (generate_images, crowdtrain generate / eval, the aux peer's gallery, the demo)
+# reads these; to use nucleus sampling instead, pass top_k=None (or --top-k 0) and top_p=0.75.
+DEFAULT_TOP_K: int | None = 256
+DEFAULT_TOP_P: float | None = None
+
+
+def sampling_filters(top_k: int | None = None, top_p: float | None = None) -> tuple[int | None, float | None]:
+    """The filters a sampler applies, from optional user choices (the CLI's --top-k / --top-p).
+
+    Neither given: the defaults (``DEFAULT_TOP_K``, ``DEFAULT_TOP_P``). Otherwise exactly what
+    was given, so ``--top-p 0.75`` alone is nucleus sampling without the default top-k. Both
+    given: top-k first, then the nucleus of what is left (renormalised). ``top_k`` 0 means no
+    top-k.
+    """
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0: no top-k filter), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1: no nucleus filter), got {top_p}")
+    if top_k is None and top_p is None:
+        return DEFAULT_TOP_K, DEFAULT_TOP_P
+    return (top_k or None), top_p
+
+
 def _cycle(seq: tuple, n: int) -> tuple:
     return tuple(seq[i % len(seq)] for i in range(n))
 
@@ -142,7 +195,7 @@ def _paper() -> ModelConfig:
         image_height=32, image_width=32, image_vocab_size=8192,
         patterns=_cycle(("axial_row", "axial_col", "axial_row", "axial_row"), depth - 1) + ("conv_like",),
         share_ids=_cycle((0, 1, 2, 3), depth - 1) + (4,),
-        reversible=True, rotary=True,
+        reversible=True, rotary=True, token_shift=True, layer_scale=True,
     )
 
 

@@ -65,6 +65,8 @@ def model_info(config: ModelConfig) -> dict:
         "flops_per_token": {"forward": forward, "train": 3 * forward + recompute},
         "weights_memory_gb": {"fp32": unique * 4 / 2**30, "fp16": unique * 2 / 2**30},
         "reversible": config.reversible,
+        "token_shift": config.token_shift,
+        "layer_scale": config.layer_scale,
         "fingerprint": config.fingerprint(),
     }
 
@@ -97,7 +99,9 @@ def format_info(info: dict) -> str:
         f"({info['sharing_ratio']:.1f}x, {info['sharing_groups']} sharing groups)",
         f"sequence        {seq['text_len']} text tokens (vocab {seq['text_vocab_size']}) + "
         f"{seq['image_grid'][0]}x{seq['image_grid'][1]} image tokens (vocab {seq['image_vocab_size']}) = {seq['seq_len']}",
-        f"layers          {len(info['layers'])}{' reversible' if info['reversible'] else ''}: {pattern_text}  (pattern/share id)",
+        f"layers          {len(info['layers'])}{' reversible' if info['reversible'] else ''}"
+        f"{', token shift' if info.get('token_shift') else ''}{', LayerScale' if info.get('layer_scale') else ''}: "
+        f"{pattern_text}  (pattern/share id)",
         "keys per query  " + ", ".join(f"{p} {k:.0f}" for p, k in info["avg_keys_per_query"].items()),
         f"FLOPs per token {_human(info['flops_per_token']['forward'])} forward, {_human(info['flops_per_token']['train'])} train step",
         f"weights         {info['weights_memory_gb']['fp32']:.2f} GiB fp32, {info['weights_memory_gb']['fp16']:.2f} GiB fp16",

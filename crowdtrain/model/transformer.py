@@ -8,8 +8,13 @@ Layout (B = batch, T = text_len, N = image_len = H * W, d = width)::
 Text position p predicts text token p+1 (only where it is real, not padding); image cell k
 holds code k-1 (or the image-start token) and predicts code k. Text positions score only the
 text vocabulary, image positions only the image codes, both through the tied embedding.
-Sharing is module identity: layer i uses ``attn[group[i]]`` and ``ff[group[i]]``; its norms are
-its own.
+Sharing is module identity: layer i uses ``attn[group[i]]`` and ``ff[group[i]]``; its norms (and,
+with ``layer_scale``, its branch scales) are its own.
+
+A layer's branch is ``scale * block(shift(norm(x)))``: ``shift`` is the token shift
+(``crowdtrain.model.token_shift``, with ``token_shift``), ``scale`` the layer's LayerScale vector
+(with ``layer_scale``); both are the identity when off. The training stack, the reversible
+stack and the cached decoder all run this same branch.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from crowdtrain.model.attention import IMPLS, Attention, AttentionContext, DecodeState, Rotary, decode_tables
-from crowdtrain.model.config import ModelConfig
+from crowdtrain.model.config import ModelConfig, layer_scale_init
 from crowdtrain.model.reversible import reversible_stack
+from crowdtrain.model.token_shift import shift_tokens
 
 
 class FeedForward(nn.Module):
@@ -42,15 +48,29 @@ class FeedForward(nn.Module):
         return self.w_out(self.dropout(a * F.gelu(gate)))
 
 
-class LayerNorms(nn.Module):
-    """A layer's own (never shared) pre-norms; the shared modules are looked up by group."""
+class LayerOwn(nn.Module):
+    """A layer's own (never shared) parameters: its pre-norms and, with ``layer_scale``, the
+    per-channel scales of its attention and feed-forward outputs. The shared modules are
+    looked up by group, so layers that share weights still scale their branches apart."""
 
-    def __init__(self, config: ModelConfig, group: int, pattern: str):
+    def __init__(self, config: ModelConfig, group: int, pattern: str, index: int):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.width)
         self.ff_norm = nn.LayerNorm(config.width)
         self.group = group
         self.pattern = pattern
+        self.index = index  # 0-based layer number; sets the LayerScale initial value
+        if config.layer_scale:
+            self.attn_scale = nn.Parameter(torch.empty(config.width))
+            self.ff_scale = nn.Parameter(torch.empty(config.width))
+        else:
+            self.attn_scale = self.ff_scale = None
+        self.reset_scales()
+
+    def reset_scales(self) -> None:
+        for scale in (self.attn_scale, self.ff_scale):
+            if scale is not None:
+                nn.init.constant_(scale, layer_scale_init(self.index + 1))
 
 
 @dataclass
@@ -77,7 +97,7 @@ class DalleTransformer(nn.Module):
         self.attn = nn.ModuleList(Attention(config, pattern_of_group[g], self.rotary) for g in range(len(self.groups)))
         self.ff = nn.ModuleList(FeedForward(config) for _ in self.groups)
         self.layers = nn.ModuleList(
-            LayerNorms(config, g, p) for g, p in zip(group_of_layer, config.patterns))
+            LayerOwn(config, g, p, i) for i, (g, p) in enumerate(zip(group_of_layer, config.patterns)))
         self.final_norm = nn.LayerNorm(config.width)
         # "auto" picks per layer and sequence length (attention.choose_impl); "efficient" forces
         # the block layouts, "dense" the reference masks (tests and benchmarks compare them).
@@ -99,9 +119,11 @@ class DalleTransformer(nn.Module):
                     nn.init.zeros_(p)
                 else:
                     nn.init.normal_(p, std=out_std if ("to_out" in name or "w_out" in name) else std)
+        for own in self.layers:
+            own.reset_scales()
 
     # ---- helpers ------------------------------------------------------------------------
-    def layer_modules(self, i: int) -> tuple[LayerNorms, Attention, FeedForward]:
+    def layer_modules(self, i: int) -> tuple[LayerOwn, Attention, FeedForward]:
         norms = self.layers[i]
         return norms, self.attn[norms.group], self.ff[norms.group]
 
@@ -139,11 +161,16 @@ class DalleTransformer(nn.Module):
 
     # ---- the stack ----------------------------------------------------------------------
     def _branches(self, ctx: AttentionContext):
+        shift = None
+        if self.config.token_shift:
+            def shift(u):
+                return shift_tokens(u, 0, self.config, ctx.text_keep, memo=ctx.mask)[0]
         branches = []
         for i in range(self.config.depth):
-            norms, attn, ff = self.layer_modules(i)
-            branches.append((lambda x, n=norms, a=attn: a(n.attn_norm(x), ctx),
-                             lambda x, n=norms, f=ff: f(n.ff_norm(x))))
+            own, attn, ff = self.layer_modules(i)
+            branches.append((partial(_branch, norm=own.attn_norm, block=partial(attn, ctx=ctx), shift=shift,
+                                     scale=own.attn_scale),
+                             partial(_branch, norm=own.ff_norm, block=ff, shift=shift, scale=own.ff_scale)))
         return branches
 
     def run_layers(self, x: torch.Tensor, text_keep: torch.Tensor) -> torch.Tensor:
@@ -192,6 +219,9 @@ class DalleTransformer(nn.Module):
 
     # ---- incremental decoding -----------------------------------------------------------
     def new_decode_state(self, text: torch.Tensor) -> DecodeState:
+        """Per-layer KV caches and, with token shift, what each branch's shift reads back (the
+        moving channels of its last ``image_width`` normalized inputs: the previous token and the
+        row above), for ``decode_step``."""
         return DecodeState(self.config, self.text_keep(text))
 
     @torch.no_grad()
@@ -206,19 +236,35 @@ class DalleTransformer(nn.Module):
         # the rotary tables once per step for all layers.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         tables = decode_tables(self.rotary, start, n, dtype) if self.rotary is not None else None
-        reversible = self.config.reversible
+        reversible, token_shift = self.config.reversible, self.config.token_shift
         x1 = x2 = x
         for i in range(self.config.depth):
-            norms, attn, ff = self.layer_modules(i)
+            own, attn, ff = self.layer_modules(i)
             keys, mask = state.step_inputs(attn.pattern, start, n, dtype)
+            past = state.shift_past[i]
+            u = own.attn_norm(x2 if reversible else x1)
+            if token_shift:
+                u, past[0] = shift_tokens(u, start, self.config, state.text_keep, past[0], memo=state.memo)
+            x1 = x1 + _scaled(attn.forward_cached(u, start, state.caches[i], mask, tables, keys), own.attn_scale)
+            u = own.ff_norm(x1)
+            if token_shift:
+                u, past[1] = shift_tokens(u, start, self.config, state.text_keep, past[1], memo=state.memo)
             if reversible:
-                x1 = x1 + attn.forward_cached(norms.attn_norm(x2), start, state.caches[i], mask, tables, keys)
-                x2 = x2 + ff(norms.ff_norm(x1))
+                x2 = x2 + _scaled(ff(u), own.ff_scale)
             else:
-                x1 = x1 + attn.forward_cached(norms.attn_norm(x1), start, state.caches[i], mask, tables, keys)
-                x1 = x1 + ff(norms.ff_norm(x1))
+                x1 = x1 + _scaled(ff(u), own.ff_scale)
         out = (x1 + x2) / 2 if self.config.reversible else x1
         return self.final_norm(out)
+
+
+def _scaled(y: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return y if scale is None else y * scale
+
+
+def _branch(x: torch.Tensor, *, norm, block, shift, scale) -> torch.Tensor:
+    """One residual branch: ``scale * block(shift(norm(x)))`` (shift and scale optional)."""
+    u = norm(x)
+    return _scaled(block(u if shift is None else shift(u)), scale)
 
 
 def _plain_layer(x: torch.Tensor, *, f, g) -> torch.Tensor:
