@@ -48,7 +48,7 @@ def test_likelihood_rerank_keeps_the_highest_scores(checkpoint, tmp_path):
     cfg = GenerateConfig(num_samples=8, keep=2, seed=3, rerank="likelihood")
     result = generate_grid(checkpoint, PROMPT, cfg, out=tmp_path / "g.png")
     gen = Generator.from_checkpoint(checkpoint)
-    codes, images = gen.sample(PROMPT, 8, top_k=256, top_p=0.75, temperature=1.0, seed=3)
+    codes, images = gen.sample(PROMPT, 8, top_k=cfg.top_k, top_p=cfg.top_p, temperature=cfg.temperature, seed=3)
     scores = LikelihoodReranker(gen.model).scores(PROMPT, images, codes, gen.text_ids(PROMPT))
     # The kept samples are the two best, in order; the score is the mean log-probability of the codes.
     assert result["indices"] == torch.argsort(scores, descending=True)[:2].tolist()

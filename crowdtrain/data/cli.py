@@ -8,6 +8,26 @@ import logging
 logger = logging.getLogger(__name__)
 
 
+def _sampling_flags(p) -> None:
+    """--top-k / --top-p: neither given samples with the one default filter
+    (crowdtrain.model.config.DEFAULT_TOP_K / DEFAULT_TOP_P); one given uses only that one; both
+    given apply top-k, then the nucleus of its survivors."""
+    from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
+
+    default = f"top-k {DEFAULT_TOP_K}" if DEFAULT_TOP_K else f"top-p {DEFAULT_TOP_P}"
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"keep the k most likely codes (0: no top-k); default when neither flag is given: {default}")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="keep the smallest set of codes whose probability reaches p (the paper: 0.75); "
+                        "given alone it replaces the default top-k; with --top-k both apply, top-k first")
+
+
+def _resolved_filters(args) -> tuple:
+    from crowdtrain.model.config import sampling_filters
+
+    return sampling_filters(args.top_k, args.top_p)
+
+
 def register(subparsers) -> None:
     # ---- crowdtrain data ... ----------------------------------------------------------------
     data = subparsers.add_parser("data", help="make, prepare and serve data sets",
@@ -98,8 +118,7 @@ def register(subparsers) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory")
     p.add_argument("--num-samples", type=int, default=128)
     p.add_argument("--keep", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=256)
-    p.add_argument("--top-p", type=float, default=0.75)
+    _sampling_flags(p)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=32, help="samples drawn at once")
@@ -116,8 +135,7 @@ def register(subparsers) -> None:
                                           "for seen and held-out compositions.")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory")
     p.add_argument("--samples-per-prompt", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=256)
-    p.add_argument("--top-p", type=float, default=0.75)
+    _sampling_flags(p)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -210,7 +228,8 @@ def _generate(args) -> int:
     from crowdtrain.data.config import GenerateConfig
     from crowdtrain.data.generate import generate_grid
 
-    cfg = GenerateConfig(num_samples=args.num_samples, keep=args.keep, top_k=args.top_k, top_p=args.top_p,
+    top_k, top_p = _resolved_filters(args)
+    cfg = GenerateConfig(num_samples=args.num_samples, keep=args.keep, top_k=top_k, top_p=top_p,
                          temperature=args.temperature, seed=args.seed, batch_size=args.batch_size,
                          rerank=args.rerank, clip_dir=args.clip)
     result = generate_grid(args.checkpoint, " ".join(args.prompt), cfg, out=args.out, device=args.device)
@@ -222,8 +241,9 @@ def _generate(args) -> int:
 def _eval(args) -> int:
     from crowdtrain.data.evaluate import evaluate_checkpoint, format_eval
 
-    results = evaluate_checkpoint(args.checkpoint, samples_per_prompt=args.samples_per_prompt, top_k=args.top_k,
-                                  top_p=args.top_p, temperature=args.temperature, seed=args.seed,
+    top_k, top_p = _resolved_filters(args)
+    results = evaluate_checkpoint(args.checkpoint, samples_per_prompt=args.samples_per_prompt, top_k=top_k,
+                                  top_p=top_p, temperature=args.temperature, seed=args.seed,
                                   device=args.device)
     print(format_eval(results))
     if args.json:

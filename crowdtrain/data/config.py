@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
+
 
 @dataclass(frozen=True)
 class VQTrainConfig:
@@ -58,12 +60,13 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """Sampling and re-ranking for ``crowdtrain generate`` (defaults as the paper: best 4 of 128)."""
+    """Sampling and re-ranking for ``crowdtrain generate`` (defaults as the paper: best 4 of 128,
+    one filter, ``DEFAULT_TOP_K`` / ``DEFAULT_TOP_P``; see ``crowdtrain.model.config.sampling_filters``)."""
 
     num_samples: int = 128
     keep: int = 4
-    top_k: int | None = 256
-    top_p: float | None = 0.75
+    top_k: int | None = DEFAULT_TOP_K
+    top_p: float | None = DEFAULT_TOP_P
     temperature: float = 1.0
     seed: int = 0
     batch_size: int = 32

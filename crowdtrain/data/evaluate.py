@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import logging
 
+from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
+
 logger = logging.getLogger(__name__)
 
 CHECKS = ("all", "objects", "size", "layout")
 
 
-def evaluate_generator(gen, *, samples_per_prompt: int = 8, top_k=256, top_p=0.75, temperature: float = 1.0,
+def evaluate_generator(gen, *, samples_per_prompt: int = 8, top_k: int | None = DEFAULT_TOP_K,
+                       top_p: float | None = DEFAULT_TOP_P, temperature: float = 1.0,
                        seed: int = 0, prompts: dict[str, tuple[str, ...]] | None = None) -> dict:
     """Adherence per group and per prompt for a :class:`crowdtrain.data.generate.Generator`."""
     from crowdtrain.data import shapes

@@ -1,6 +1,6 @@
 """``crowdtrain generate``: sample images for a prompt, decode, re-rank, write a PNG grid.
 
-As the paper: draw many samples (128) with top-k / top-p sampling, decode the codes with the
+As the paper: draw many samples (128) with top-k or top-p sampling, decode the codes with the
 image tokenizer, score each against the prompt and keep the best few (4). The tokenizers come
 from the checkpoint directory (``text_tokenizer.json``, ``image_tokenizer.safetensors``), or the
 shipped shapes ones when it has none.
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from crowdtrain.data.config import GenerateConfig
+from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class Generator:
     def text_ids(self, prompt: str) -> torch.Tensor:
         return self.text_tokenizer.encode_batch([prompt], self.model.config.text_len).to(self.device)
 
-    def sample(self, prompt: str, num: int, *, top_k, top_p, temperature: float, seed: int, batch_size: int = 32):
+    def sample(self, prompt: str, num: int, *, top_k: int | None = DEFAULT_TOP_K, top_p: float | None = DEFAULT_TOP_P,
+               temperature: float = 1.0, seed: int, batch_size: int = 32):
         """``num`` samples -> (codes (num, h, w), images (num, H, W, 3) uint8)."""
         from crowdtrain.model.sampling import generate_images
 

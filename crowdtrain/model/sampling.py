@@ -1,6 +1,10 @@
 """Autoregressive sampling of image codes with a KV cache, top-k / top-p and temperature.
 
-The paper found top-k 256 or top-p 0.75 improve quality over plain sampling. With the cache,
+The paper found top-k 256 *or* top-p 0.75 improve quality over plain sampling: one filter at a
+time. The default is ``DEFAULT_TOP_K`` / ``DEFAULT_TOP_P`` (from ``crowdtrain.model.config``,
+torch-free, so the CLI flags read the same values); ``sampling_filters`` turns optional user
+choices into the filters to apply. Filters look at the model's raw logits; the temperature then
+reshapes what survived (so temperature never changes which tokens the nucleus keeps). With the cache,
 each image token costs one layer pass for one position plus one pass over the cached keys its
 layer's pattern can allow (the text and the token's row, column or band);
 ``use_cache=False`` re-runs the model's normal forward over the prefix instead (the text and the
@@ -11,11 +15,17 @@ from __future__ import annotations
 
 import torch
 
+from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, sampling_filters
 from crowdtrain.model.transformer import DalleTransformer
+
+__all__ = ["DEFAULT_TOP_K", "DEFAULT_TOP_P", "sampling_filters", "filter_logits", "sample_next", "generate_images",
+           "uncached_logits"]
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf (keeps at least one)."""
+    """Set logits outside the top-k and outside the top-p nucleus to -inf (keeps at least one).
+
+    With both, top-k goes first and the nucleus is taken of the renormalised top-k survivors."""
     if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -31,10 +41,13 @@ def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: floa
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``logits`` (B, V) -> (B,). temperature 0 means greedy."""
+    """One token per row of ``logits`` (B, V) -> (B,). temperature 0 means greedy.
+
+    The filters choose the candidates on the raw logits; the temperature then sharpens (<1) or
+    flattens (>1) the distribution among them only, never letting a filtered token back in."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k=top_k, top_p=top_p)
+    logits = filter_logits(logits.float(), top_k=top_k, top_p=top_p) / temperature
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -53,7 +66,7 @@ def uncached_logits(model: DalleTransformer, text: torch.Tensor, keep: torch.Ten
 
 @torch.no_grad()
 def generate_images(model: DalleTransformer, text: torch.Tensor, *, temperature: float = 1.0,
-                    top_k: int | None = 256, top_p: float | None = None, seed: int | None = None,
+                    top_k: int | None = DEFAULT_TOP_K, top_p: float | None = DEFAULT_TOP_P, seed: int | None = None,
                     use_cache: bool = True, return_logits: bool = False):
     """Sample image codes for a batch of tokenized prompts.
 

@@ -33,7 +33,7 @@ from hivemind.p2p import PeerID
 
 from crowdtrain.checkpoint import (checkpoint_name, latest_checkpoint, load_optimizer_state, prune_checkpoints,
                                    save_checkpoint)
-from crowdtrain.model.config import ModelConfig
+from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, ModelConfig
 from crowdtrain.model.info import architecture_fingerprint
 from crowdtrain.coordinator.db import Store
 from crowdtrain.coordinator.tokens import CoordinatorKey
@@ -265,7 +265,8 @@ class AuxPeer:
             folder.mkdir(parents=True, exist_ok=True)
             prompts = [(p, False) for p in EVAL_PROMPTS["seen"][:3]] + [(p, True) for p in EVAL_PROMPTS["heldout"][:3]]
             for i, (prompt, held_out) in enumerate(prompts):
-                images = gen.sample(prompt, per_prompt, top_k=256, top_p=0.75, temperature=1.0, seed=i)[1]
+                images = gen.sample(prompt, per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P, temperature=1.0,
+                                    seed=i)[1]
                 grid = make_grid(images, columns=per_prompt)
                 grid = grid.resize((grid.width * 3, grid.height * 3), Image.NEAREST)
                 path = folder / f"{i}.png"
