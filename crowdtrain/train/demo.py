@@ -253,10 +253,12 @@ def write_samples(out: Path, per_prompt: int = 4) -> str | None:
 
     from crowdtrain.data import EVAL_PROMPTS
     from crowdtrain.data.generate import Generator, make_grid
+    from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
 
     gen = Generator.from_checkpoint(checkpoint)
     prompts = list(EVAL_PROMPTS["seen"][:3]) + list(EVAL_PROMPTS["heldout"][:3])
-    images = [gen.sample(p, per_prompt, top_k=256, top_p=0.75, temperature=1.0, seed=i)[1] for i, p in enumerate(prompts)]
+    images = [gen.sample(p, per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P, temperature=1.0, seed=i)[1]
+              for i, p in enumerate(prompts)]
     grid = make_grid(torch.cat(images), columns=per_prompt)
     grid = grid.resize((grid.width * 3, grid.height * 3), Image.NEAREST)
     path = out / "samples.png"
