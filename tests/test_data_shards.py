@@ -132,3 +132,44 @@ def test_codes_bytes_are_little_endian_int16():
     assert blob == b"\x01\x00\xff\x1f\x00\x01\x00\x00"
     with pytest.raises(ValueError):
         codes_to_bytes(np.array([40000]))
+
+
+# ---- the demo shards: made once, then reused from the cache ---------------------------------
+
+def test_demo_shards_are_made_once_and_reused_from_the_cache(tmp_path, monkeypatch):
+    from crowdtrain.data import demo
+    from crowdtrain.data.streaming import list_shards
+
+    cache = tmp_path / "cache"
+    first = demo.ensure_demo_shards(tmp_path / "run1" / "shapes", num_train=300, cache=cache)
+    manifest = json.loads((first / "shards.json").read_text())
+    assert sorted(manifest["splits"]) == ["heldout", "train", "valid"]
+    captions = {split: [c for f in list_shards(str(first), split) for c in pq.read_table(f)["caption"].to_pylist()]
+                for split in manifest["splits"]}
+    assert [len(captions[s]) for s in ("train", "valid", "heldout")] == [300, demo.VALID_SIZE, demo.HELDOUT_SIZE]
+    held = {s: [shapes.parse_caption(c).is_heldout for c in captions[s]] for s in captions}
+    assert not any(held["train"]) and not any(held["valid"]) and all(held["heldout"])
+    assert not set(captions["valid"]) <= set(captions["train"])  # fresh images, not copies of training ones
+    assert len(list((cache / "demo-shards").iterdir())) == 1
+
+    # From now on nothing may be generated: the same folder and a new one both come from the cache.
+    def no_generation(*args, **kwargs):
+        raise AssertionError("demo shards were generated again instead of reused")
+    monkeypatch.setattr(demo, "prepare_shards", no_generation)
+    assert demo.ensure_demo_shards(first, num_train=300, cache=cache) == first
+    second = demo.ensure_demo_shards(tmp_path / "run2" / "shapes", num_train=300, cache=cache)
+    assert sorted(p.name for p in second.iterdir()) == sorted(p.name for p in first.iterdir())
+    assert (second / "train-00000.parquet").read_bytes() == (first / "train-00000.parquet").read_bytes()
+    # Another recipe is another cache entry: it must be generated.
+    with pytest.raises(AssertionError, match="generated again"):
+        demo.ensure_demo_shards(tmp_path / "run3" / "shapes", num_train=301, cache=cache)
+
+
+def test_demo_shards_small_sets_stay_out_of_the_shared_cache(tmp_path, monkeypatch):
+    from crowdtrain.data import demo
+
+    monkeypatch.setenv("CROWDTRAIN_CACHE", str(tmp_path / "shared"))
+    assert demo.default_cache_dir() == tmp_path / "shared"
+    folder = demo.ensure_demo_shards(tmp_path / "shapes", num_train=200)
+    assert (folder / "demo.json").exists() and not (tmp_path / "shared").exists()
+    assert demo.DEFAULT_NUM_TRAIN >= 50_000 >= demo.SHARED_CACHE_MIN_IMAGES

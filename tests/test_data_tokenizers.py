@@ -56,19 +56,29 @@ def test_tokenizer_train_cli_reproduces_file(tmp_path):
     assert tok.report["images"] == 2 and "mse" in tok.report  # every 20th image is held out
 
 
-def test_shipped_image_tokenizer_reconstructs_shapes():
+def test_shipped_image_tokenizer_reads_back_shapes():
+    """Encoding then decoding keeps what the caption says: the tokenizer is the ceiling of every
+    model trained on its codes. 200 fresh images per kind (a seed the tokenizer never saw). The
+    shipped file reads back 0.95 of seen and 0.915-0.95 of held-out images (one shape 0.98-1.0,
+    two 0.88-0.94); the bounds sit ~2 standard errors (0.018 on 200 images) below that, so a
+    tokenizer that loses shapes again (0.74 / 0.62 before the 4-pixel lattice) fails."""
     tok = default_image_tokenizer()
     assert tok.grid_size == (8, 8) and tok.vocab_size == 512 and tok.image_size == 64
-    assert SHAPES_IMAGE_TOKENIZER.stat().st_size < 1_000_000
+    assert SHAPES_IMAGE_TOKENIZER.stat().st_size < 2_000_000
     stored = tok.report
-    # The stored report of the shipped file: 500 held-out images (see docs/data.md).
-    assert stored["shapes_agreement"] >= 0.7 and stored["codes_used"] > 200 and stored["mse"] < 0.006
-    # Fresh images, including held-out compositions the tokenizer never saw.
+    assert stored["shapes_agreement"] >= 0.93 and stored["codes_used"] > 200 and "command" in stored, stored
     for heldout in (False, True):
-        images, captions = _images(150, seed=99, heldout=heldout)
-        report = reconstruction_report(tok, images, captions)
-        assert report["mse"] < 0.008, report
-        assert report["shapes_agreement"] >= 0.45, report
+        images, captions = _images(200, seed=99, heldout=heldout)
+        codes = tok.encode(images)
+        recon = tok.decode(codes).numpy()
+        verdicts = {1: [], 2: []}
+        for image, caption in zip(recon, captions):
+            scene = shapes.parse_caption(caption)
+            verdicts[len(scene.objects)].append(shapes.judge(scene, shapes.analyse_image(image))["all"])
+        overall = np.mean(verdicts[1] + verdicts[2])
+        assert overall >= 0.90, (heldout, overall)
+        assert np.mean(verdicts[1]) >= 0.95 and np.mean(verdicts[2]) >= 0.85, (heldout, verdicts)
+        assert reconstruction_report(tok, images[:50])["mse"] < 0.006
 
 
 # ---- taming VQGAN ---------------------------------------------------------------------------
