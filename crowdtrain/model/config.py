@@ -207,6 +207,10 @@ def _demo() -> ModelConfig:
         patterns=_cycle(("axial_row", "axial_col", "axial_row", "axial_row"), depth - 1) + ("conv_like",),
         share_ids=_cycle((0, 1, 2, 3), depth - 1) + (4,),
         reversible=False,
+        # Token shift: 8% lower held-out loss after 10k samples for 4-8% more time per step
+        # (bench_quality's f-token-shift against f-adamw-b32). LayerScale stays off: it is for
+        # the stability of deep stacks, and this one has 8 layers.
+        token_shift=True,
     )
 
 
