@@ -32,7 +32,7 @@ def test_demo_shards_feed_the_demo_model(tmp_path):
     images = image_tok.decode(batch["image"]).numpy()
     captions = [text_tok.decode(t) for t in batch["text"]]
     agree = np.mean([shapes.judge(c, shapes.analyse_image(im))["all"] for c, im in zip(captions, images)])
-    assert agree >= 0.4  # the shipped tokenizer's agreement is ~0.7 (docs/data.md)
+    assert agree >= 0.75  # the shipped tokenizer reads back ~0.95 of images (docs/data.md); 16 images are noisy
     assert all(not shapes.parse_caption(c).is_heldout for c in captions)
     # And the demo model trains on them: a few steps lower the loss on a fixed batch.
     torch.manual_seed(0)

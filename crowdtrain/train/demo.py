@@ -152,10 +152,10 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
 
 
 # Samples/s of one training process on one thread of the machine the demo's settings were
-# tuned on (2 cores), and what the 3-peer swarm made of it there: the swarm's rate scales with
-# the cores the peers can use, and with the model's speed here.
-_REFERENCE_STEP_SAMPLES_PER_S = 52.0
-_REFERENCE_SWARM_SAMPLES_PER_S = 57.0
+# tuned on (2 cores, idle), and what the 3-peer swarm made of it there: the swarm's rate scales
+# with the cores the peers can use, and with the model's speed here.
+_REFERENCE_STEP_SAMPLES_PER_S = 57.0
+_REFERENCE_SWARM_SAMPLES_PER_S = 83.0
 _REFERENCE_CORES = 2
 
 
