@@ -192,7 +192,9 @@ def sized_schedule(swarm_preset: str, swarm_overrides: dict, *, minutes: float, 
     from crowdtrain.coordinator.run import SWARM_PRESETS
 
     base = dataclasses.replace(SWARM_PRESETS[swarm_preset](), **swarm_overrides)
-    rate = estimate_swarm_samples_per_s(preset=preset, model_overrides=model_overrides, peers=peers)
+    # Err long (x1.15): a schedule that ends early leaves the rest of the run at a zero rate,
+    # one that ends late only stops the decay at ~13% of the peak.
+    rate = 1.15 * estimate_swarm_samples_per_s(preset=preset, model_overrides=model_overrides, peers=peers)
     # The first ~20 s go to starting processes and forming the swarm.
     epochs = max(3, round(max(0.0, 60 * minutes - 20) * rate / base.target_batch_size))
     warmup = min(base.warmup_epochs, max(0, epochs // 5))
