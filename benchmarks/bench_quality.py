@@ -56,19 +56,24 @@ FACTORS = {
     "f-lamb-b32": ("lamb8bit", 32, 0.01, 40, None),  # ... and 8x the updates (an 8x smaller global batch)
     "f-adamw-b256": ("adamw", 256, 3e-3, 5, None),  # the demo's optimizer at the sync batch
     "f-adamw-b32": ("adamw", 32, 3e-3, 40, None),  # one process's best (= the solo arm, by samples)
+    # The paper's model options on the demo model, against f-adamw-b32:
+    "f-token-shift": ("adamw", 32, 3e-3, 40, None, {"token_shift": True}),
+    "f-layer-scale": ("adamw", 32, 3e-3, 40, None, {"layer_scale": True}),
+    "f-both": ("adamw", 32, 3e-3, 40, None, {"token_shift": True, "layer_scale": True}),
 }
 EQUAL = {"target_batch_size": 256, "lr": 0.01, "warmup_epochs": 5, "delay_optimizer_step": False,
          "checkpoint_every_epochs": 5}
 
 
 def run_solo(out: Path, data: str, *, minutes: float | None, optimizer: str, batch_size: int, lr: float,
-             max_steps: int, warmup_steps: int, save_every_steps: int, schedule_steps: int | None = None) -> list[dict]:
+             max_steps: int, warmup_steps: int, save_every_steps: int, schedule_steps: int | None = None,
+             model_overrides: dict | None = None) -> list[dict]:
     from crowdtrain.data import default_asset_paths
     from crowdtrain.model.config import get_preset
     from crowdtrain.train.local import LocalTrainConfig, train_local
     from crowdtrain.train.task import DalleTask
 
-    task = DalleTask(get_preset("demo"), data=data)
+    task = DalleTask(get_preset("demo", **(model_overrides or {})), data=data)
     config = LocalTrainConfig(batch_size=batch_size, max_steps=max_steps, max_minutes=minutes, lr=lr,
                               optimizer=optimizer, warmup_steps=warmup_steps, save_every_steps=save_every_steps,
                               schedule_steps=schedule_steps, out_dir=str(out), log_every=50)
@@ -128,16 +133,20 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    for arm, r in results["arms"].items():
+    for i, (arm, r) in enumerate(results["arms"].items()):
+        color = f"C{i}"
         pts = r["points"]
         x_samples = [p["samples"] / 1000 for p in pts]
         x_minutes = [p["seconds"] / 60 for p in pts]
         style = "--" if arm in ("solo-lamb", "sync-equal") else "-"
-        axes[0][0].plot(x_samples, [p["valid_loss"] for p in pts], style, marker="o", label=arm)
-        axes[0][1].plot(x_minutes, [p["valid_loss"] for p in pts], style, marker="o", label=arm)
-        axes[1][0].plot(x_samples, [p["adherence_seen"] for p in pts], style, marker="o", label=f"{arm} seen")
-        axes[1][0].plot(x_samples, [p["adherence_heldout"] for p in pts], ":", marker="x", label=f"{arm} held-out")
-        axes[1][1].plot(x_minutes, [p["adherence_seen"] for p in pts], style, marker="o", label=f"{arm} seen")
+        axes[0][0].plot(x_samples, [p["valid_loss"] for p in pts], style, marker="o", label=arm, color=color)
+        axes[0][1].plot(x_minutes, [p["valid_loss"] for p in pts], style, marker="o", label=arm, color=color)
+        axes[1][0].plot(x_samples, [p["adherence_seen"] for p in pts], style, marker="o", label=f"{arm} seen",
+                        color=color)
+        axes[1][0].plot(x_samples, [p["adherence_heldout"] for p in pts], ":", marker="x", label=f"{arm} held-out",
+                        color=color)
+        axes[1][1].plot(x_minutes, [p["adherence_seen"] for p in pts], style, marker="o", label=f"{arm} seen",
+                        color=color)
     axes[0][0].set(xlabel="thousand samples processed", ylabel="held-out loss")
     axes[0][1].set(xlabel="minutes", ylabel="held-out loss")
     axes[1][0].set(xlabel="thousand samples processed", ylabel="prompt adherence", ylim=(-0.02, 1.02))
@@ -151,17 +160,32 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
 def table(results: dict) -> str:
-    lines = [f"{'arm':11s} {'minutes':>7s} {'samples':>8s} {'held-out loss':>13s} {'seen':>5s} {'held-out':>8s}"]
+    lines = [f"{'arm':13s} {'minutes':>7s} {'samples':>8s} {'held-out loss':>13s} {'seen':>5s} {'held-out':>8s}"]
     for arm, r in results["arms"].items():
         last = r["points"][-1]
-        lines.append(f"{arm:11s} {last['seconds'] / 60:7.1f} {last['samples']:8d} {last['valid_loss']:13.4f} "
+        lines.append(f"{arm:13s} {last['seconds'] / 60:7.1f} {last['samples']:8d} {last['valid_loss']:13.4f} "
                      f"{last['adherence_seen']:5.2f} {last['adherence_heldout']:8.2f}")
     if {"solo-lamb", "sync-equal"} <= set(results["arms"]):
-        a = results["arms"]["solo-lamb"]["points"][-1]["valid_loss"]
-        b = results["arms"]["sync-equal"]["points"][-1]["valid_loss"]
-        lines.append(f"equivalence: sync swarm / one process held-out loss at equal steps = {b / a:.3f} "
-                     f"({100 * (b / a - 1):+.1f}%)")
+        # At the swarm's last checkpoint, against one process at the same samples (interpolated
+        # between its checkpoints): a swarm's epochs hold a little more than the target (peers
+        # overshoot it), and the coordinator's checkpoints land between epochs.
+        swarm = results["arms"]["sync-equal"]["points"][-1]
+        solo = results["arms"]["solo-lamb"]["points"]
+        a = _interpolate([(p["samples"], p["valid_loss"]) for p in solo], swarm["samples"])
+        b = swarm["valid_loss"]
+        lines.append(f"equivalence: at {swarm['samples']} samples, sync swarm {b:.4f} / one process {a:.4f} "
+                     f"held-out loss = {b / a:.3f} ({100 * (b / a - 1):+.1f}%)")
     return "\n".join(lines)
 
 
@@ -175,7 +199,13 @@ def main() -> int:
     parser.add_argument("--points", type=int, default=4, help="checkpoints scored per arm")
     parser.add_argument("--out", default=None, help="work folder (default: a temporary one)")
     parser.add_argument("--port", type=int, default=8311)
+    parser.add_argument("--replot", default=None, metavar="JSON", help="only re-draw the table and plot of a result")
     args = parser.parse_args()
+    if args.replot:
+        results = json.loads(Path(args.replot).read_text())
+        print(table(results))
+        plot(results, PLOT)
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS) - set(FACTORS))
@@ -194,10 +224,11 @@ def main() -> int:
         t0 = time.time()
         swarm_ports = {"port": args.port + i, "dht_port": args.port + 100 + i}
         if arm in FACTORS:
-            optimizer, batch, lr, warmup, schedule = FACTORS[arm]
+            optimizer, batch, lr, warmup, schedule, *model = FACTORS[arm]
             steps = max(warmup + 1, args.factor_samples // batch)
             points = run_solo(out, data, minutes=None, optimizer=optimizer, batch_size=batch, lr=lr, max_steps=steps,
-                              warmup_steps=warmup, save_every_steps=max(1, steps // 3), schedule_steps=schedule)
+                              warmup_steps=warmup, save_every_steps=max(1, steps // 3), schedule_steps=schedule,
+                              model_overrides=model[0] if model else {})
         elif arm == "solo":
             points = run_solo(out, data, minutes=args.minutes, optimizer="adamw", batch_size=32, lr=3e-3,
                               max_steps=100_000, warmup_steps=50, save_every_steps=int(args.minutes * 60 * 1.6 / 6)
