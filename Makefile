@@ -5,9 +5,26 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.crowdtrain-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install sysdeps demo test bench clean
 
-$(PYTHON):
+# System packages: python3-venv (the virtual environment), chromium (the browser tests drive
+# Debian's chromium through Playwright), iproute2 (the testbed's namespaces and tc links).
+# Installed with apt when missing and run as root; otherwise stop with the command to run.
+SYSPKGS_MISSING = $(strip $(shell $(PY) -c "import ensurepip" 2>/dev/null || echo python3-venv) \
+	$(shell command -v chromium >/dev/null || echo chromium) \
+	$(shell command -v ip >/dev/null && command -v tc >/dev/null || echo iproute2))
+
+sysdeps:
+ifneq ($(SYSPKGS_MISSING),)
+	@if [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSPKGS_MISSING); \
+	else \
+		echo "missing system packages: $(SYSPKGS_MISSING); run: sudo apt-get install -y $(SYSPKGS_MISSING)"; exit 1; \
+	fi
+endif
+
+$(PYTHON): | sysdeps
 	$(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
 
@@ -23,7 +40,7 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
-test: install
+test: sysdeps install
 	$(PYTHON) -m pytest -q
 
 bench: install
