@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def valid_rows(data: str | Path, *, text_tokenizer, model_config, split: str = "valid",
                max_rows: int | None = None) -> dict[str, torch.Tensor]:
-    """Every row of ``split`` (at most ``max_rows``) as one batch ``{"text", "image"}``, in shard order."""
+    """Every row of ``split`` (at most ``max_rows``) as one batch ``{"text", "image"}``, in one fixed order."""
     from crowdtrain.data.streaming import batch_stream
 
     # One pass of the stream in its own order: the stream shuffles by ``seed_key``, and a fixed
