@@ -6,7 +6,7 @@ import time
 import pytest
 from hivemind.p2p import PeerID
 
-from crowdtrain.coordinator.tokens import CoordinatorKey, verify_token
+from crowdtrain.coordinator.tokens import CoordinatorKey, peer_id_of_key, verify_token
 from crowdtrain.swarm.auth import (AccessGuard, SwarmAuthorizer, _GuardedHandlers, from_proto, load_identity,
                                    peer_id_of, to_proto)
 
@@ -48,6 +48,10 @@ def test_the_coordinator_key_persists_and_a_corrupt_one_is_named(keys, tmp_path)
 def test_the_peer_id_follows_from_the_public_key_in_the_token(keys):
     d, _, peer, other = keys
     assert peer_id_of(peer.get_public_key().to_bytes()) == PeerID.from_identity((d / "peer.key").read_bytes())
+    # The web side's own derivation (it imports no hivemind) gives hivemind's answer.
+    for name, key in (("peer", peer), ("other", other)):
+        expected = PeerID.from_identity((d / f"{name}.key").read_bytes())
+        assert peer_id_of_key(key.get_public_key().to_bytes()) == str(expected)
     assert peer_id_of(other.get_public_key().to_bytes()) != peer_id_of(peer.get_public_key().to_bytes())
     assert load_identity(d / "peer.key").get_public_key().to_bytes() == peer.get_public_key().to_bytes()
 

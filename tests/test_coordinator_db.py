@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.service import AuthSettings, create_app
-from crowdtrain.coordinator.tokens import CoordinatorKey, verify_token
+from crowdtrain.coordinator.tokens import CoordinatorKey, peer_id_of_key, token_request, verify_token
 from crowdtrain.swarm.auth import load_identity
 
 
@@ -72,6 +72,12 @@ def identity(tmp_path):
     return load_identity(tmp_path / "peer.key").get_public_key().to_bytes().decode()
 
 
+def signed(tmp_path, user="anonymous", name="peer", now=None) -> dict:
+    """A token request as `crowdtrain join` sends it: signed by the peer's identity."""
+    key = load_identity(tmp_path / f"{name}.key")
+    return token_request(key.get_public_key().to_bytes(), user, key.sign, now=now)
+
+
 def client_for(tmp_path, **auth):
     run = tmp_path / "run"
     run.mkdir(exist_ok=True)
@@ -83,11 +89,11 @@ def client_for(tmp_path, **auth):
 
 def test_open_runs_issue_tokens_bound_to_the_peer_key(tmp_path, identity):
     client, store, key = client_for(tmp_path, mode="open", token_lifetime_s=60)
-    r = client.post("/api/token", json={"public_key": identity, "peer_id": "QmPeer", "user": "carol"})
+    r = client.post("/api/token", json=signed(tmp_path, "carol"))
     assert r.status_code == 200, r.text
     token = r.json()
     assert token["username"] == "carol" and token["public_key"] == identity and verify_token(token, key.public_key)
-    assert store.user_of_peer("QmPeer") == "carol"
+    assert store.user_of_peer(peer_id_of_key(identity.encode())) == "carol"
     assert client.post("/api/token", json={"public_key": identity, "user": "coordinator"}).status_code == 422
     assert client.post("/api/token", json={"public_key": identity, "user": "<b>x</b>"}).status_code == 422
 
@@ -98,7 +104,7 @@ def test_allowlist_runs_want_a_live_key(tmp_path, identity):
     assert r.status_code == 401 and "--key" in r.json()["detail"]
     api_key = store.add_user("dave")
     auth = {"Authorization": f"Bearer {api_key}"}
-    r = client.post("/api/token", json={"public_key": identity, "user": "pretender"}, headers=auth)
+    r = client.post("/api/token", json=signed(tmp_path, "pretender"), headers=auth)
     assert r.status_code == 200 and r.json()["username"] == "dave", "the key decides the user"
     store.revoke_user("dave")
     r = client.post("/api/token", json={"public_key": identity}, headers=auth)
@@ -113,7 +119,7 @@ def test_malformed_oversized_and_flooding_requests_get_clear_4xx(tmp_path, ident
     assert client.post("/api/token", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 422
     big = client.post("/api/token", content=b"x" * 100_000, headers={"Content-Type": "application/json"})
     assert big.status_code == 413 and "too large" in big.json()["detail"]
-    assert client.post("/api/token", json={"public_key": identity}).status_code == 200  # the 2nd this minute
+    assert client.post("/api/token", json=signed(tmp_path)).status_code == 200  # the 2nd this minute
     r = client.post("/api/token", json={"public_key": identity})
     assert r.status_code == 429 and "too many" in r.json()["detail"]
     assert store.counters()["token_requests_rate_limited"] == 1
@@ -131,6 +137,28 @@ def test_a_valid_key_has_its_own_token_budget_so_refused_clients_cannot_lock_it_
     r = client.post("/api/token", json={"public_key": identity}, headers={"Authorization": "Bearer ct_guess"})
     assert r.status_code == 429 and "too many" in r.json()["detail"], "the address's budget is spent"
     for _ in range(3):
-        assert client.post("/api/token", json={"public_key": identity}, headers=alice).status_code == 200
-    r = client.post("/api/token", json={"public_key": identity}, headers=alice)
+        assert client.post("/api/token", json=signed(tmp_path), headers=alice).status_code == 200
+    r = client.post("/api/token", json=signed(tmp_path), headers=alice)
     assert r.status_code == 429 and "'alice'" in r.json()["detail"], "a key's own budget still holds"
+
+
+def test_a_valid_api_key_cannot_move_another_volunteers_peer_either(tmp_path):
+    """Allowlist runs: a key decides the user, but only the holder of a peer's identity may bind
+    that peer to a user; the peer ID follows from the key, whatever the request says."""
+    client, store, _ = client_for(tmp_path, mode="allowlist")
+    alice = {"Authorization": f"Bearer {store.add_user('alice')}"}
+    mallory = {"Authorization": f"Bearer {store.add_user('mallory')}"}
+    victim = signed(tmp_path, name="alice-peer")
+    assert client.post("/api/token", json=victim, headers=alice).status_code == 200
+    assert store.user_of_peer(victim["peer_id"]) == "alice"
+    own = signed(tmp_path, name="mallory-peer")
+    attempts = [({"public_key": victim["public_key"], "peer_id": victim["peer_id"]}, 403, "unsigned"),
+                ({**own, "public_key": victim["public_key"], "peer_id": victim["peer_id"]}, 403, "does not match"),
+                ({**own, "peer_id": victim["peer_id"]}, 422, "is not the peer ID"),
+                (signed(tmp_path, "mallory", name="alice-peer", now=time.time() - 3600), 403,
+                 "from the coordinator's clock")]  # an old request of the victim's, replayed
+    for body, code, message in attempts:
+        r = client.post("/api/token", json=body, headers=mallory)
+        assert r.status_code == code and message in r.json()["detail"], r.text
+    assert store.user_of_peer(victim["peer_id"]) == "alice"
+    assert store.counters()["token_requests_refused"] == len(attempts)

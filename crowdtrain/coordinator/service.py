@@ -7,7 +7,8 @@ torch or hivemind. Shards are served with HTTP Range support (parquet readers se
 Everything a client sends is bounded: request bodies over ``MAX_BODY_BYTES`` get 413, malformed
 ones 422 with the field at fault, and ``POST /api/token`` is rate-limited (429) per API key, or
 per client address without a valid one, so no client can crash the coordinator or touch stored
-data it should not.
+data it should not. A token request must be signed by the key it names, and the peer ID is derived
+from that key, so nobody can re-assign another volunteer's peer (and its samples) to their name.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from crowdtrain.coordinator.db import Store, valid_user_name
-from crowdtrain.coordinator.tokens import CoordinatorKey
+from crowdtrain.coordinator.tokens import CoordinatorKey, check_token_request, peer_id_of_key
 
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "optimizer.safetensors", "text_tokenizer.json",
                     "image_tokenizer.safetensors"}
@@ -40,9 +41,14 @@ class AuthSettings:
 
 
 class TokenRequest(BaseModel):
+    """Built by ``crowdtrain.coordinator.tokens.token_request``: signed by the key it asks a token for."""
     public_key: str = Field(..., max_length=4096, description="the peer's RSA public key, OpenSSH encoding")
-    peer_id: str = Field("", max_length=128, description="the peer's libp2p ID (shown on the peers page)")
+    peer_id: str = Field("", max_length=128, description="the peer's libp2p ID; optional, as it follows from "
+                                                         "public_key (a different one is refused)")
     user: str = Field("anonymous", max_length=64, description="display name in open runs (ignored with a key)")
+    timestamp: str = Field("", max_length=32, description="seconds since the epoch when the request was signed")
+    signature: str = Field("", max_length=2048, description="base64 RSA-PSS (SHA-256) signature by public_key's "
+                                                            "private key over the fields above")
 
 
 class RateLimiter:
@@ -185,13 +191,31 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
                 raise HTTPException(422, f"--user must be 1-64 letters, digits, '-', '_' or '.', got {user!r}")
             if store.is_revoked(user):
                 raise HTTPException(403, f"user {user!r} was revoked by the organizer")
-            store.ensure_open_user(user)
+        public_key = body.public_key.encode()
         try:
-            token = signing_key.issue(user, body.public_key.encode(), lifetime_s=auth.token_lifetime_s)
+            peer_id = peer_id_of_key(public_key)
         except ValueError as e:
             raise HTTPException(422, f"public_key: {e}") from e
-        if body.peer_id:
-            store.peer_joined(body.peer_id, user, body.public_key)
+        if body.peer_id and body.peer_id != peer_id:
+            store.bump("token_requests_refused")
+            raise HTTPException(422, f"peer_id {body.peer_id[:60]!r} is not the peer ID of public_key ({peer_id})")
+        # Only the key's holder may bind it (and its peer's samples) to a user name.
+        if not body.signature:
+            store.bump("token_requests_refused")
+            raise HTTPException(403, "unsigned token request: this coordinator wants it signed by the peer's key; "
+                                     "upgrade crowdtrain")
+        try:
+            check_token_request(public_key, body.user, body.timestamp, body.signature)
+        except ValueError as e:
+            store.bump("token_requests_refused")
+            raise HTTPException(403, str(e)) from e
+        try:
+            token = signing_key.issue(user, public_key, lifetime_s=auth.token_lifetime_s)
+        except ValueError as e:
+            raise HTTPException(422, f"public_key: {e}") from e
+        if not api_key:
+            store.ensure_open_user(user)
+        store.peer_joined(peer_id, user, body.public_key)
         store.bump("tokens_issued")
         return {**token, "lifetime_s": auth.token_lifetime_s}
 

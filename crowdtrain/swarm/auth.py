@@ -46,7 +46,7 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from crowdtrain.coordinator.tokens import CoordinatorKey, token_payload, verify_token
+from crowdtrain.coordinator.tokens import CoordinatorKey, token_payload, token_request, verify_token
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +87,17 @@ class AccessDenied(RuntimeError):
 
 
 class HttpTokenSource:
-    """Asks the coordinator for a token: ``POST /api/token`` with the API key (allowlist runs)."""
+    """Asks the coordinator for a token: ``POST /api/token``, signed by this peer's key (the proof
+    that it holds the key), with the API key in allowlist runs."""
 
-    def __init__(self, token_url: str, *, public_key: bytes, peer_id: str, api_key: str | None, user: str,
+    def __init__(self, token_url: str, *, private_key: RSAPrivateKey, api_key: str | None, user: str,
                  timeout_s: float = 15.0):
-        self.token_url, self.public_key, self.peer_id = token_url, public_key, peer_id
+        self.token_url, self.private_key = token_url, private_key
         self.api_key, self.user, self.timeout_s = api_key, user, timeout_s
 
     def __call__(self) -> dict:
-        body = json.dumps({"public_key": self.public_key.decode(), "peer_id": self.peer_id,
-                           "user": self.user}).encode()
+        body = json.dumps(token_request(self.private_key.get_public_key().to_bytes(), self.user,
+                                        self.private_key.sign)).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"

@@ -264,6 +264,7 @@ class _Access:
     def __init__(self, config: VolunteerConfig, info: dict, run_id: str):
         self.auth = info.get("auth")
         self.user = self.token = self.guard = self.keeper = None
+        self.key = None  # the identity's private key, when the run authenticates peers
         self.temporary_identity = None
         self.identity_path = config.identity  # without auth: a fixed peer ID if given, else a fresh one
         if self.auth is None:
@@ -271,7 +272,7 @@ class _Access:
                 Path(self.identity_path).parent.mkdir(parents=True, exist_ok=True)
             return
         from crowdtrain.swarm.auth import (AccessDenied, AccessGuard, HttpTokenSource, SwarmAuthorizer,
-                                           identity_path_for, load_identity, peer_id_of)
+                                           identity_path_for, load_identity)
 
         if self.auth["mode"] == "allowlist" and not config.api_key:
             raise ValueError("this run admits invited users only: ask its organizer for an API key "
@@ -280,10 +281,9 @@ class _Access:
         if path is None:
             path = self.temporary_identity = identity_path_for(config.cache_dir, run_id, config.user)
         self.identity_path = str(path)
-        key = load_identity(path)
-        public_key = key.get_public_key().to_bytes()
-        self.source = HttpTokenSource(self.auth["token_url"], public_key=public_key,
-                                      peer_id=str(peer_id_of(public_key)), api_key=config.api_key, user=config.user)
+        key = self.key = load_identity(path)
+        self.source = HttpTokenSource(self.auth["token_url"], private_key=key, api_key=config.api_key,
+                                      user=config.user)
         deadline = time.monotonic() + 120
         while True:
             try:
