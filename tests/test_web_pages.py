@@ -234,6 +234,31 @@ def test_peers_page_shows_throughput_mode_and_last_round(run):
     assert everyone["dave"][3] == "client" and everyone["dave"][5] == "none yet" and everyone["dave"][9] == "gone"
 
 
+def test_absurd_values_already_in_the_database_break_no_page(run):
+    """Rows stored before records were checked (a peer's time in the year 33658, infinite rates and
+    losses) stay in the database across restarts: every page and API still answers, with such
+    values shown as unknown, and that peer is not counted as active."""
+    store, zed = run.store, "QmFuturePeer0000000000006"
+    store.peer_joined(zed, "zed", "pk-z")
+    store.record_metrics([metrics(zed, "zed", 1e12, epoch=999, loss=float("inf"), rate=float("inf"))])
+    store.record_contribution(peer_id=zed, epoch=3, samples=10, samples_per_second=5e-324)  # compute time: inf
+    client = run()
+    for page in PAGES:
+        assert client.get(page).status_code == 200, page
+
+    def strict_json(path: str):
+        return json.loads(client.get(path).text, parse_constant=lambda c: pytest.fail(f"{path} holds {c}"))
+
+    for path in ("/api/peers", "/api/leaderboard", "/api/metrics", "/api/history", "/api/status"):
+        strict_json(path)
+    peer = next(p for p in strict_json("/api/peers") if p["peer_id"] == zed)
+    assert peer["last_seen"] is None and not peer["active"] and peer["loss"] is None
+    assert zed not in [p["peer_id"] for p in strict_json("/api/peers?active=true")]
+    board = {r["user"]: r for r in strict_json("/api/leaderboard")}
+    assert not board["zed"]["active"] and board["zed"]["compute_s"] == 0.0
+    assert board["alice"]["active"], "others are unaffected"
+
+
 def test_checkpoints_page_lists_checkpoints_with_working_downloads(run):
     client = run()
     html = client.get("/checkpoints").text

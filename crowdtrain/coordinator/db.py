@@ -16,16 +16,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import secrets
 import time
 from pathlib import Path
 
-from sqlalchemy import (Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event,
-                        func, select, update)
+from sqlalchemy import (Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, case, create_engine,
+                        event, func, select, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 ACTIVE_WINDOW_S = 60.0  # a peer that reported within this window counts as active
+# Rows are read as untrusted too (a database may hold values from before records were checked):
+# a time further ahead than this reads as unknown, a non-finite number as missing.
+MAX_CLOCK_SKEW_S = 300.0
 
 
 class Base(DeclarativeBase):
@@ -150,6 +154,15 @@ def hash_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _plausible_time(ts: float | None, now: float) -> float | None:
+    """A peer-reported time, or None if it is missing (0), non-finite or in the future."""
+    return ts if ts is not None and math.isfinite(ts) and 0 < ts <= now + MAX_CLOCK_SKEW_S else None
+
+
 def valid_user_name(name: str) -> bool:
     return 1 <= len(name) <= 64 and all(c.isalnum() or c in "-_." for c in name)
 
@@ -237,6 +250,11 @@ class Store:
         with self.session() as s:
             peer = s.get(Peer, peer_id)
             return peer.user if peer is not None else None
+
+    def users_of_peers(self, peer_ids: list[str]) -> dict[str, str]:
+        """The user each known peer's token was issued to (peers never given one are left out)."""
+        with self.session() as s:
+            return {p.peer_id: p.user for p in s.scalars(select(Peer).where(Peer.peer_id.in_(set(peer_ids))))}
 
     @_conflict_retrying
     def record_metrics(self, records: list[dict]) -> int:
@@ -330,8 +348,8 @@ class Store:
         with self.session() as s:
             rows = s.scalars(select(SwarmPoint).where(SwarmPoint.time > since).order_by(SwarmPoint.time.desc())
                              .limit(limit)).all()
-            return [{"time": r.time, "epoch": r.epoch, "loss": r.loss, "active_peers": r.active_peers,
-                     "samples_per_second": r.samples_per_second} for r in reversed(rows)]
+            return [{"time": r.time, "epoch": r.epoch, "loss": _finite(r.loss), "active_peers": r.active_peers,
+                     "samples_per_second": _finite(r.samples_per_second) or 0.0} for r in reversed(rows)]
 
     def metrics(self, *, limit: int = 1000, peer_id: str | None = None) -> list[dict]:
         with self.session() as s:
@@ -339,8 +357,9 @@ class Store:
             if peer_id is not None:
                 query = query.where(MetricsReport.peer_id == peer_id)
             rows = s.scalars(query.order_by(MetricsReport.time.desc()).limit(limit)).all()
-            return [{"peer_id": r.peer_id, "user": r.user, "time": r.time, "epoch": r.epoch, "loss": r.loss,
-                     "samples": r.samples, "samples_per_second": r.samples_per_second, "steps": r.steps,
+            return [{"peer_id": r.peer_id, "user": r.user, "time": _finite(r.time), "epoch": r.epoch,
+                     "loss": _finite(r.loss), "samples": r.samples,
+                     "samples_per_second": _finite(r.samples_per_second) or 0.0, "steps": r.steps,
                      "client_mode": r.client_mode, "last_round_peers": r.last_round_peers,
                      "swarm_peers": r.swarm_peers} for r in reversed(rows)]
 
@@ -349,31 +368,39 @@ class Store:
         with self.session() as s:
             query = select(Peer).order_by(Peer.last_seen.desc())
             if active_only:
-                query = query.where(Peer.last_seen > now - ACTIVE_WINDOW_S)
-            return [{"peer_id": p.peer_id, "user": p.user, "first_seen": p.first_seen, "last_seen": p.last_seen or None,
-                     "epoch": p.epoch, "samples_per_second": p.samples_per_second, "client_mode": p.client_mode,
-                     "last_round_epoch": p.last_round_epoch, "last_round_peers": p.last_round_peers,
-                     "loss": p.loss, "active": p.last_seen > now - ACTIVE_WINDOW_S}
-                    for p in s.scalars(query)]
+                query = query.where(Peer.last_seen > now - ACTIVE_WINDOW_S,
+                                    Peer.last_seen <= now + MAX_CLOCK_SKEW_S)
+            rows = []
+            for p in s.scalars(query):
+                last_seen = _plausible_time(p.last_seen, now)
+                rows.append({"peer_id": p.peer_id, "user": p.user, "first_seen": _plausible_time(p.first_seen, now),
+                             "last_seen": last_seen, "epoch": p.epoch,
+                             "samples_per_second": _finite(p.samples_per_second) or 0.0, "client_mode": p.client_mode,
+                             "last_round_epoch": p.last_round_epoch, "last_round_peers": p.last_round_peers,
+                             "loss": _finite(p.loss),
+                             "active": last_seen is not None and last_seen > now - ACTIVE_WINDOW_S})
+        rows.sort(key=lambda r: r["last_seen"] or 0.0, reverse=True)  # implausible times last
+        return rows
 
     def leaderboard(self, *, now: float | None = None) -> list[dict]:
         """Per user: samples the swarm counted, compute time, last seen, active; most samples first."""
         now = now or time.time()
         with self.session() as s:
-            totals = {row.user: {"samples": int(row.samples or 0), "compute_s": float(row.compute_s or 0.0),
+            totals = {row.user: {"samples": int(row.samples or 0), "compute_s": _finite(row.compute_s) or 0.0,
                                  "epochs": int(row.epochs or 0)}
                       for row in s.execute(select(Contribution.user, func.sum(Contribution.samples).label("samples"),
                                                   func.sum(Contribution.compute_s).label("compute_s"),
                                                   func.count(Contribution.epoch.distinct()).label("epochs"))
                                            .group_by(Contribution.user))}
+            plausible = case((Peer.last_seen <= now + MAX_CLOCK_SKEW_S, Peer.last_seen), else_=None)
             seen = {row.user: (row.last_seen, row.peers)
-                    for row in s.execute(select(Peer.user, func.max(Peer.last_seen).label("last_seen"),
+                    for row in s.execute(select(Peer.user, func.max(plausible).label("last_seen"),
                                                 func.count(Peer.peer_id).label("peers")).group_by(Peer.user))}
             revoked = {u.name for u in s.scalars(select(User).where(User.revoked.is_not(None)))}
         board = []
         for user in sorted(set(totals) | set(seen)):
             last_seen, peers = seen.get(user, (None, 0))
-            last_seen = last_seen or None  # 0: joined, never reported metrics
+            last_seen = _plausible_time(last_seen, now)  # 0: joined, never reported metrics
             board.append({"user": user, **totals.get(user, {"samples": 0, "compute_s": 0.0, "epochs": 0}),
                           "peers": peers, "last_seen": last_seen, "revoked": user in revoked,
                           "active": last_seen is not None and last_seen > now - ACTIVE_WINDOW_S})

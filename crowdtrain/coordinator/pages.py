@@ -66,20 +66,28 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{secs} s"
 
 
+def _datetime(ts: float | None) -> datetime | None:
+    """None for a missing time or one no calendar holds (a stored value from a broken or hostile peer)."""
+    try:
+        return None if ts is None else datetime.fromtimestamp(ts, timezone.utc)
+    except (OverflowError, OSError, ValueError, TypeError):
+        return None
+
+
 def fmt_ago(ts: float | None, now: float | None = None) -> str:
-    if ts is None:
+    if _datetime(ts) is None:
         return "never"
     return fmt_duration((now or time.time()) - ts) + " ago"
 
 
 def fmt_utc(ts: float | None) -> str:
-    if ts is None:
-        return "\u2014"
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    when = _datetime(ts)
+    return "\u2014" if when is None else when.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def fmt_iso(ts: float | None) -> str:
-    return "" if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+    when = _datetime(ts)
+    return "" if when is None else when.isoformat(timespec="seconds")
 
 
 def fmt_loss(value: float | None) -> str:

@@ -15,6 +15,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,91 @@ def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def _aux_command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "crowdtrain.swarm.aux_peer", str(run_dir)]
+
+
+def _end_orphans_of_aux(run_dir: Path) -> None:
+    """What a killed auxiliary peer leaves running: its forked workers (DHT, averager; they share
+    its command line) and their p2p daemons. A daemon still holds the DHT port, and a new peer on
+    the same port would then get half of the connections; so they go before it starts."""
+    import os
+    import signal
+
+    command = _aux_command(run_dir)[1:]
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        table[int(entry.name)] = (argv, ppid)
+    workers = {pid for pid, (argv, _) in table.items() if argv[1:] == command}
+    daemons = {pid for pid, (_, ppid) in table.items() if ppid in workers}
+    for pid in sorted(workers | daemons):
+        logger.warning("ending pid %d, left over from a killed auxiliary peer", pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class AuxSupervisor:
+    """Runs the auxiliary peer and starts it again whenever it exits while the coordinator serves.
+
+    It is the run's first DHT peer: while it is down, newcomers cannot join (volunteers already in
+    train on). A restart keeps its port and identity, so nobody needs new addresses. The pause
+    before a restart doubles with each exit that comes within ``stable_s`` of its start (1 s up
+    to ``max_pause_s``), so a peer that cannot start does not spin; its log is ``aux.log``.
+    """
+
+    def __init__(self, run_dir: Path, *, stable_s: float = 300.0, max_pause_s: float = 60.0):
+        self.run_dir, self.stable_s, self.max_pause_s = run_dir, stable_s, max_pause_s
+        self.log = open(run_dir / "aux.log", "a")
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.proc = self._spawn()
+        self._thread = threading.Thread(target=self._watch, name="aux-supervisor", daemon=True)
+
+    def _spawn(self) -> subprocess.Popen:
+        self._started = time.monotonic()
+        return subprocess.Popen(_aux_command(self.run_dir), stdout=self.log, stderr=subprocess.STDOUT)
+
+    def watch(self) -> None:
+        """Restart from now on (before, a failing start is the caller's to report)."""
+        self._thread.start()
+
+    def _watch(self) -> None:
+        pause = 1.0
+        while True:
+            code = self.proc.wait()
+            if self._stop.is_set():
+                return
+            pause = 1.0 if time.monotonic() - self._started > self.stable_s else min(2 * pause, self.max_pause_s)
+            logger.error("the auxiliary peer exited with code %s; starting it again in %.0f s (see %s)", code, pause,
+                         self.run_dir / "aux.log")
+            if self._stop.wait(pause):
+                return
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                _end_orphans_of_aux(self.run_dir)
+                self.proc = self._spawn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
 def run_coordinator(config: CoordinatorConfig) -> int:
     import uvicorn
 
@@ -170,21 +256,21 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     spec = build_spec(config, shards_dir)
     (run_dir / "coordinator.json").write_text(json.dumps(spec, indent=2))
     _end_leftover_aux(run_dir)
+    _end_orphans_of_aux(run_dir)
     for stale in ("run.json", "status.json"):  # from a previous start: the new aux peer rewrites them
         (run_dir / stale).unlink(missing_ok=True)
-    log = open(run_dir / "aux.log", "a")
-    aux = subprocess.Popen([sys.executable, "-m", "crowdtrain.swarm.aux_peer", str(run_dir)], stdout=log,
-                           stderr=subprocess.STDOUT)
+    aux = AuxSupervisor(run_dir)
     try:
         deadline = time.monotonic() + config.startup_timeout_s
         while not (run_dir / "run.json").is_file():
-            if aux.poll() is not None:
+            if aux.proc.poll() is not None:
                 tail = (run_dir / "aux.log").read_text()[-2000:]
-                raise RuntimeError(f"the auxiliary peer exited with code {aux.returncode}; its log ends:\n{tail}")
+                raise RuntimeError(f"the auxiliary peer exited with code {aux.proc.returncode}; its log ends:\n{tail}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the auxiliary peer did not start within {config.startup_timeout_s:.0f}s; "
                                    f"see {run_dir / 'aux.log'}")
             time.sleep(0.2)
+        aux.watch()
         info = json.loads((run_dir / "run.json").read_text())
         logger.info("run %s is up: volunteers join with\n\n    crowdtrain join %s\n\nDHT peer %s",
                     config.run_id, config.url, info["coordinator_peer_id"])
@@ -197,11 +283,6 @@ def run_coordinator(config: CoordinatorConfig) -> int:
                          public_url=config.url, checkpoint_dir=config.checkpoint_dir)
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
     finally:
-        aux.terminate()
-        try:
-            aux.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            aux.kill()
-        log.close()
+        aux.stop()
         store.close()
     return 0

@@ -17,6 +17,7 @@ Runs as a child process of ``crowdtrain coordinator`` (the web side never import
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -113,6 +114,12 @@ class AuxPeer:
                 allow_state_sharing=True, start=True)
         self.last_checkpoint_epoch = self._resume()
         self.seen: dict[str, float] = {}
+        # Dropped records: counts by reason, the stored versions already counted (until they
+        # expire), and the kinds of failure already logged (each is logged once, then counted).
+        self.dropped: dict[str, int] = {}
+        self._dropped_versions: dict[tuple, float] = {}
+        self._logged: set = set()
+        self._reported: dict[str, int] = {}  # counters as last added to the database
         self.checkpoints_written = 0
         self.samples_possible = True  # until a checkpoint shows there is no image tokenizer for the model
         self.stop = threading.Event()
@@ -170,15 +177,49 @@ class AuxPeer:
         write_json_atomic(self.run_dir / "run.json", join)
         logger.info("DHT up at %s", maddrs)
 
+    def _log_once(self, kind, message: str, *args, exc_info=None) -> None:
+        """WARNING the first time for each kind of failure, DEBUG after that: a hostile peer
+        repeating one bad record must not flood the log; the counters say how many there were."""
+        level = logging.DEBUG if kind in self._logged else logging.WARNING
+        self._logged.add(kind)
+        logger.log(level, message, *args, exc_info=exc_info)
+
+    def _drop(self, reason: str, detail: str, version) -> None:
+        if version in self._dropped_versions:
+            return
+        self._dropped_versions[version] = time.time() + 3600.0  # forgotten after an hour (records live a minute)
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        self.store.bump(f"metrics_records_dropped_{reason}")
+        self._log_once(("dropped", reason), "dropped a metrics record (%s): %s; further ones are counted at "
+                       "/api/counters as metrics_records_dropped_%s", reason, detail, reason)
+
+    def screen(self, stored: list[swarm_metrics.StoredRecord]) -> list[swarm_metrics.PeerMetrics]:
+        """The records that pass :func:`crowdtrain.swarm.metrics.screen`; the rest counted and logged."""
+        now = time.time()
+        self._dropped_versions = {v: t for v, t in self._dropped_versions.items() if t > now}
+        records, dropped = swarm_metrics.screen(stored, run_id=self.swarm.run_id, now=now,
+                                                user_of=self.store.users_of_peers,
+                                                floor_epoch=self.averager.local_epoch)
+        for d in dropped:
+            self._drop(d.reason, d.detail, d.record.version)
+        return records
+
     def collect(self) -> list[swarm_metrics.PeerMetrics]:
-        records = swarm_metrics.fetch(self.dht, self.swarm.run_id)
+        records = self.screen(swarm_metrics.fetch(self.dht, self.swarm.run_id))
         fresh = [r for r in records if self.seen.get(r.peer_id) != r.time]
         if fresh:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 for r in fresh:
                     f.write(json.dumps(r.dict()) + "\n")
                     self.seen[r.peer_id] = r.time
-            self.store.record_metrics([r.dict() for r in fresh])
+            try:
+                self.store.record_metrics([r.dict() for r in fresh])
+            except Exception:  # one at a time, so a record the database refuses cannot block the rest
+                for r in fresh:
+                    try:
+                        self.store.record_metrics([r.dict()])
+                    except Exception as e:
+                        self._drop("database", f"peer {r.peer_id}: {e!r}"[:300], (r.peer_id, r.time))
         live = [r for r in records if time.time() - r.time < 60]
         reachable = {r.peer_id: r.maddrs for r in live if r.maddrs}
         if reachable:
@@ -188,12 +229,17 @@ class AuxPeer:
         mean_loss = sum(r.loss for r in live) / len(live) if live else None
         self.store.record_swarm_point(epoch=epoch, loss=mean_loss, active_peers=len(live), samples_per_second=rate)
         self.collect_contributions()
-        self.store.set_counter("metrics_records_refused", int(self.refused_records.value))
-        self.store.set_counter("averaging_requests_refused", int(self.guard.refused))
+        # Bumped by what is new since the last turn, so the counts add up across restarts.
+        for name, value in (("metrics_records_refused", int(self.refused_records.value)),
+                            ("averaging_requests_refused", int(self.guard.refused))):
+            if value > self._reported.get(name, 0):
+                self.store.bump(name, value - self._reported.get(name, 0))
+                self._reported[name] = value
         write_json_atomic(self.run_dir / "status.json", {
             "epoch": epoch, "peers": [r.dict() for r in live], "updated": time.time(),
             "last_checkpoint_epoch": self.last_checkpoint_epoch, "samples_per_second": rate,
-            "total_epochs": self.swarm.total_epochs, "target_batch_size": self.swarm.target_batch_size})
+            "total_epochs": self.swarm.total_epochs, "target_batch_size": self.swarm.target_batch_size,
+            "metrics_records_refused": int(self.refused_records.value), "metrics_records_dropped": self.dropped})
         return live
 
     def collect_contributions(self) -> None:
@@ -214,8 +260,14 @@ class AuxPeer:
                 rate = float(progress["samples_per_second"])
             except (KeyError, TypeError, ValueError):
                 continue
-            if samples > 0:
+            # As for metrics: counts that fit the database, a finite rate (or none).
+            if not (0 < samples <= swarm_metrics.MAX_COUNT and 0 <= epoch <= swarm_metrics.MAX_COUNT):
+                continue
+            rate = rate if 0.0 <= rate <= swarm_metrics.MAX_SAMPLES_PER_SECOND else 0.0
+            try:
                 self.store.record_contribution(peer_id=peer_id, epoch=epoch, samples=samples, samples_per_second=rate)
+            except Exception as e:
+                self._log_once("contribution", "could not store a contribution of peer %s: %r", peer_id, e)
 
     def maybe_checkpoint(self, live: list[swarm_metrics.PeerMetrics], *, force: bool = False) -> None:
         swarm_epoch = max([r.epoch for r in live], default=0)
@@ -280,8 +332,16 @@ class AuxPeer:
     def run(self, refresh_s: float = 2.0) -> None:
         self.announce()
         while not self.stop.is_set():
-            live = self.collect()
-            self.maybe_checkpoint(live)
+            try:
+                live = self.collect()
+                self.maybe_checkpoint(live)
+            except Exception as e:
+                # This process is the run's first DHT peer: volunteers join through it, so nothing a
+                # peer stores (or a database hiccup) may end it. Retried at the next refresh.
+                self._log_once(("loop", type(e).__name__, str(e)[:200]), "collecting metrics failed (retrying every "
+                               "%.0f s; logged once): %r", refresh_s, e, exc_info=True)
+                with contextlib.suppress(Exception):  # the database may be what failed
+                    self.store.bump("aux_peer_errors")
             self.stop.wait(refresh_s)
         self.shutdown()
 

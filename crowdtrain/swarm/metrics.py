@@ -1,42 +1,76 @@
 """Per-peer training metrics as signed, schema-validated DHT records.
 
-Each peer stores one record under ``{run_id}_metrics`` with its RSA public key as the subkey;
-hivemind's ``RSASignatureValidator`` makes every DHT node refuse a change to that subkey not
-signed by the owner's private key, and ``SchemaValidator`` refuses records whose fields or types
-do not match ``PeerMetrics``. So a peer can only write its own metrics, and only well-formed ones.
+Each peer stores one record under ``{run_id}_metrics`` with its signing key (hivemind's
+per-process RSA key) as the subkey; hivemind's ``RSASignatureValidator`` makes every DHT node
+refuse a change to that subkey not signed by that key, and ``SchemaValidator`` refuses records
+whose fields, types or ranges do not match ``PeerMetrics`` (finite numbers, bounded counts, times
+and strings). The record also carries the peer's libp2p identity (its public key) and that
+identity's signature over the signing key (:func:`endorsement`), which ties the record to
+``peer_id``: the peer ID is a hash of the identity.
+
+Every record is input from a stranger: a peer with a token (anyone, in an open run) can store
+whatever it likes under its own subkey. So the reader checks what a schema cannot (:func:`screen`):
+that the record's ``peer_id`` is its signer's, its time is near the reader's clock, its user is
+the one the coordinator issued that peer's token to, and its epoch is not far ahead of the other
+peers'. What fails is dropped and counted, by reason.
+
+Tuning: if honest peers' records are dropped for ``time``, their clocks are off by more than
+``max_clock_skew_s``: set them with NTP (or raise it); for ``epoch``, a peer ran ahead of the
+others by more than ``max_epoch_lead`` epochs, which hivemind's state download should prevent.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-from typing import Dict, List
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List
 
 import hivemind
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from crowdtrain.swarm.auth import peer_id_of
 
 logger = logging.getLogger(__name__)
 
+# Far beyond any honest record, and small enough for every reader: an integer past 2**63 does not
+# fit a database column, NaN becomes NULL there, a time past year 9999 breaks date formatting.
+MAX_COUNT = 2**53
+MAX_LOSS = 1e4  # cross-entropy of a diverged model stays far below
+MAX_SAMPLES_PER_SECOND = 1e6
+MAX_TIME = 4e9  # the year 2096
+Count = pydantic.conint(ge=0, le=MAX_COUNT, strict=True)
+
 
 class PeerMetrics(pydantic.BaseModel):
-    peer_id: pydantic.StrictStr
-    epoch: pydantic.conint(ge=0, strict=True)  # the global epoch this peer is at
-    samples: pydantic.conint(ge=0, strict=True)  # samples this peer contributed since it joined
-    samples_per_second: pydantic.confloat(ge=0.0, strict=True)
-    loss: pydantic.confloat(strict=True)  # mean local loss since the last record
-    steps: pydantic.conint(ge=0, strict=True)
-    time: pydantic.confloat(ge=0.0, strict=True)
+    class Config:
+        extra = pydantic.Extra.forbid  # as the DHT's schema check has it
+
+    peer_id: pydantic.constr(strict=True, max_length=128)
+    epoch: Count  # the global epoch this peer is at
+    samples: Count  # samples this peer contributed since it joined
+    samples_per_second: pydantic.confloat(ge=0.0, le=MAX_SAMPLES_PER_SECOND, strict=True, allow_inf_nan=False)
+    # Mean local loss since the last record.
+    loss: pydantic.confloat(ge=0.0, le=MAX_LOSS, strict=True, allow_inf_nan=False)
+    steps: Count
+    time: pydantic.confloat(ge=0.0, le=MAX_TIME, strict=True, allow_inf_nan=False)
     client_mode: pydantic.StrictBool
-    last_round_peers: pydantic.conint(ge=0, strict=True)  # group size of its last gradient round
-    swarm_peers: pydantic.conint(ge=0, strict=True)  # peers reporting progress at that round
-    fingerprint: pydantic.StrictStr
-    user: pydantic.StrictStr = "anonymous"
+    last_round_peers: Count  # group size of its last gradient round
+    swarm_peers: Count  # peers reporting progress at that round
+    fingerprint: pydantic.constr(strict=True, max_length=128)
+    user: pydantic.constr(strict=True, max_length=64) = "anonymous"
     # Where this peer accepts connections (empty in client mode): a restarted coordinator
     # bootstraps its DHT from these instead of starting alone.
-    maddrs: List[pydantic.StrictStr] = []
+    maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=256), max_items=16) = []
+    # The peer's identity (OpenSSH RSA public key; peer_id is its hash) and its signature over the
+    # key that signs this record (see endorsement).
+    identity: pydantic.constr(strict=True, max_length=1024) = ""
+    identity_proof: pydantic.constr(strict=True, max_length=1024) = ""
 
 
 class AccessTokenRecord(pydantic.BaseModel):
@@ -61,15 +95,23 @@ class RunSchema(pydantic.BaseModel):
 
 
 class CountingSchemaValidator(SchemaValidator):
-    """A SchemaValidator that counts the records it refuses (shared across the DHT's fork)."""
+    """A SchemaValidator that counts the records it refuses (shared across the DHT's fork).
+
+    Each stored version of a record is counted once, however often the DHT meets it again (every
+    lookup of a key meets every live record under it)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.refused = mp.Value("q", 0)
+        self._counted: set = set()  # lives in the DHT's process, where validation runs
 
     def validate(self, record) -> bool:
         ok = super().validate(record)
-        if not ok:
+        version = (record.key, record.subkey, record.expiration_time)
+        if not ok and version not in self._counted:
+            if len(self._counted) > 10_000:
+                self._counted.clear()
+            self._counted.add(version)
             with self.refused.get_lock():
                 self.refused.value += 1
         return ok
@@ -77,6 +119,10 @@ class CountingSchemaValidator(SchemaValidator):
 
 def make_validators(run_id: str) -> tuple[list, RSASignatureValidator]:
     """Record validators every peer of a run installs in its DHT, and this peer's signer.
+
+    The signer uses hivemind's per-process key, not the identity: a DHT signs with the first
+    ``RSASignatureValidator`` it was given (it merges later ones into it), and hivemind's progress
+    tracker stores its records under that per-process key. :func:`endorsement` links the two.
 
     The first is a :class:`CountingSchemaValidator`: ``validators[0].refused.value`` is how many
     malformed records this peer's DHT has refused so far."""
@@ -88,6 +134,18 @@ def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
+def _endorsed(run_id: str, signer_public_key: bytes) -> bytes:
+    return b"crowdtrain-metrics-signer-v1\n" + run_id.encode() + b"\n" + signer_public_key
+
+
+def endorsement(identity: RSAPrivateKey, run_id: str, signer: RSASignatureValidator) -> dict:
+    """``identity`` and ``identity_proof`` for this peer's metrics records: its libp2p identity
+    vouches for the key that signs them, so a reader can tie a record to ``peer_id``."""
+    signer_public_key = re.fullmatch(RSASignatureValidator.PUBLIC_KEY_REGEX, signer.local_public_key).group(1)
+    return {"identity": identity.get_public_key().to_bytes().decode(),
+            "identity_proof": identity.sign(_endorsed(run_id, signer_public_key)).decode()}
+
+
 def publish(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, metrics: PeerMetrics,
             *, expiration_s: float = 60.0) -> None:
     """Store this peer's record (in the background; a failed store is retried by the next one)."""
@@ -95,8 +153,29 @@ def publish(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, metri
               expiration_time=get_dht_time() + expiration_s, return_future=True)
 
 
-def fetch(dht: hivemind.DHT, run_id: str, *, timeout_s: float = 10.0) -> list[PeerMetrics]:
-    """All live peers' latest records; malformed ones (already refused by validators) are skipped."""
+@dataclass
+class StoredRecord:
+    """One metrics record as found in the DHT: unvalidated."""
+    subkey: object  # b"[owner:<the signer's public key>]" for a well-formed record
+    value: object
+    expiration_time: float
+
+    @property
+    def version(self) -> tuple:
+        """Tells stored versions apart (a peer's new record gets a new expiration time), so that a
+        bad one seen on every refresh is counted once."""
+        return self.subkey if isinstance(self.subkey, bytes) else repr(self.subkey)[:200], self.expiration_time
+
+
+@dataclass
+class Dropped:
+    record: StoredRecord
+    reason: str  # malformed | not_signer | time | user | epoch
+    detail: str
+
+
+def fetch(dht: hivemind.DHT, run_id: str, *, timeout_s: float = 10.0) -> list[StoredRecord]:
+    """All live peers' latest records, unvalidated: pass them through :func:`screen`."""
     try:
         found = dht.get(metrics_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
     except Exception as e:  # a slow or partitioned DHT: report nothing this time
@@ -104,14 +183,66 @@ def fetch(dht: hivemind.DHT, run_id: str, *, timeout_s: float = 10.0) -> list[Pe
         return []
     if found is None or not isinstance(found.value, dict):
         return []
-    records = []
-    for subkey, entry in found.value.items():
-        try:
-            records.append(PeerMetrics.parse_obj(entry.value))
-        except pydantic.ValidationError as e:
-            logger.warning("dropped a malformed metrics record: %s", e)
-    return records
+    return [StoredRecord(subkey, entry.value, entry.expiration_time) for subkey, entry in found.value.items()]
 
+
+def signer_peer_id(record: PeerMetrics, subkey, run_id: str) -> str | None:
+    """The peer ID whose identity vouches for the key that signed a record stored under ``subkey``
+    (None if none does): the record's ``peer_id`` must be this."""
+    match = re.fullmatch(RSASignatureValidator.PUBLIC_KEY_REGEX, subkey) if isinstance(subkey, bytes) else None
+    try:
+        identity = record.identity.encode()
+        if match and RSAPublicKey.from_bytes(identity).verify(_endorsed(run_id, match.group(1)),
+                                                              record.identity_proof.encode()):
+            return str(peer_id_of(identity))
+    except Exception:  # not an RSA key in OpenSSH encoding: bytes from a stranger
+        pass
+    return None
+
+
+def screen(stored: list[StoredRecord], *, run_id: str, now: float, user_of: Callable[[list[str]], dict[str, str]],
+           floor_epoch: int = 0, max_clock_skew_s: float = 300.0,
+           max_epoch_lead: int = 10) -> tuple[list[PeerMetrics], list[Dropped]]:
+    """The records that pass every check, and the dropped ones with their reasons.
+
+    ``user_of``: peer IDs to the user names the coordinator issued their tokens to. An epoch is
+    compared with the lower median of the records' epochs (at least ``floor_epoch``), so one peer
+    cannot move the reference and a lone peer is its own reference.
+    """
+    passed, dropped = [], []
+    for item in stored:
+        try:
+            record = PeerMetrics.parse_obj(item.value)
+        except (pydantic.ValidationError, TypeError) as e:
+            dropped.append(Dropped(item, "malformed", str(e).replace("\n", " ")[:300]))
+            continue
+        signer = signer_peer_id(record, item.subkey, run_id)
+        if record.peer_id != signer:
+            dropped.append(Dropped(item, "not_signer", f"record for peer {record.peer_id[:60]!r} signed by "
+                                                       f"{signer or 'a key no identity vouches for'}"))
+        elif not abs(record.time - now) <= max_clock_skew_s:
+            dropped.append(Dropped(item, "time", f"peer {signer}: time {record.time:.0f} is "
+                                                 f"{record.time - now:+.0f} s from this clock"))
+        else:
+            passed.append((item, record))
+    users = user_of([record.peer_id for _, record in passed]) if passed else {}
+    checked = []
+    for item, record in passed:
+        if users.get(record.peer_id) != record.user:
+            dropped.append(Dropped(item, "user", f"peer {record.peer_id} claims user {record.user[:64]!r}, its "
+                                                 f"token was issued to {users.get(record.peer_id)!r}"))
+        else:
+            checked.append((item, record))
+    epochs = sorted(record.epoch for _, record in checked)
+    reference = max(floor_epoch, epochs[(len(epochs) - 1) // 2]) if epochs else floor_epoch
+    records = []
+    for item, record in checked:
+        if record.epoch > reference + max_epoch_lead:
+            dropped.append(Dropped(item, "epoch", f"peer {record.peer_id}: epoch {record.epoch}, the swarm's is "
+                                                  f"{reference}"))
+        else:
+            records.append(record)
+    return records, dropped
 
 
 def rounds_key(run_id: str) -> str:

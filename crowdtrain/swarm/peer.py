@@ -181,6 +181,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     stop_event = stop or threading.Event()
     validators, signer = swarm_metrics.make_validators(swarm.run_id)
     access = _Access(config, info, swarm.run_id)
+    # The identity vouches for the key that signs this peer's metrics (the coordinator drops records without).
+    endorsement = swarm_metrics.endorsement(access.key, swarm.run_id, signer) if access.key is not None else {}
     summary_extra = {}
 
     def denied(reason: str) -> None:
@@ -229,7 +231,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         logger.info("peer %s joined run %s at epoch %d (state loaded in %.1fs)", peer_id[-8:], swarm.run_id,
                     joined_epoch, time.perf_counter() - t_join)
         summary.update(joined_epoch=joined_epoch, state_load_s=time.perf_counter() - t_join)
-        _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop_event, summary,
+        _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
                     swarm_metrics, all_finite, autocast_context, t_join)
     except StateUnavailable as e:
         reason = (f"{e}: the run has ended or its peers are unreachable. Leaving; see {config.coordinator_url} "
@@ -335,8 +337,8 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
         logger.warning("%s did not finish within %.0fs; leaving anyway", what, timeout_s)
 
 
-def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop_event, summary, swarm_metrics,
-                all_finite, autocast_context, t_join) -> None:
+def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
+                swarm_metrics, all_finite, autocast_context, t_join) -> None:
     batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
     start = time.perf_counter()
     contributed = steps = dropped = 0
@@ -403,7 +405,7 @@ def _train_loop(task, model, optimizer, dht, signer, swarm, config, device, stop
                 samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
                 client_mode=config.client_mode, last_round_peers=int(last_round["group_size"]),
                 swarm_peers=int(last_round["swarm_peers"]), fingerprint=summary["fingerprint"],
-                user=summary["user"], maddrs=summary["maddrs"]))
+                user=summary["user"], maddrs=summary["maddrs"], **endorsement))
             epoch_seen, last_report = optimizer.local_epoch, now
     summary.update(samples=contributed, steps=steps, seconds=time.perf_counter() - start, wait_s=waited,
                    compute_s=computed, over_budget_steps=over_budget, end_unix=time.time(),
