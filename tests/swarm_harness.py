@@ -33,7 +33,9 @@ class Swarm:
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = tmp / "run"
         self.preset, self.data = preset, data
-        self.swarm = {"target_batch_size": 384, "warmup_epochs": 1, "total_epochs": 60, "lr": 0.01,
+        # LAMB at 0.1: each step moves every tensor by 10% of its norm, so `tiny` learns visibly in
+        # the few epochs a test runs (0.01 is a real run's rate, for thousands of steps).
+        self.swarm = {"target_batch_size": 384, "warmup_epochs": 1, "total_epochs": 60, "lr": 0.1,
                       "matchmaking_time_s": 3.0, "averaging_timeout_s": 30.0, "checkpoint_every_epochs": 3,
                       **(swarm or {})}
         self.procs: dict[str, subprocess.Popen] = {}

@@ -330,7 +330,8 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
     opt = SwarmOptimizer.__new__(SwarmOptimizer)
     opt.average_state_every, opt.final_epoch = 3, 6
     opt._lost_round = opt._partial_round = None
-    opt.tracker, opt.state_averager = SimpleNamespace(global_epoch=0), SimpleNamespace(local_epoch=4)
+    opt.tracker = SimpleNamespace(global_epoch=0, global_progress=SimpleNamespace(num_peers=2))
+    opt.state_averager = SimpleNamespace(local_epoch=4)
     opt._update_global_epoch(None)
     opt._maybe_schedule_state_averaging()
     assert seen == [True, "scheduled"], "epoch 4 -> 5: as hivemind does"

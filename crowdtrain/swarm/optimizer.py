@@ -20,6 +20,7 @@ import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.utils import ValueWithExpiration
 
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.auth import AccessGuard, guarded
@@ -31,8 +32,9 @@ from crowdtrain.swarm.robust import RobustOptimizerMixin, make_aggregator
 logger = logging.getLogger(__name__)
 
 
-class ClippedLAMB8bit(bnb.optim.LAMB8bit):
-    """bitsandbytes' 8-bit LAMB that first clips the (averaged) gradient's global norm.
+class ClippedLAMB8bit(bnb.optim.AdamW8bit):
+    """LAMB with bitsandbytes' 8-bit Adam statistics, that first clips the (averaged) gradient's
+    global norm.
 
     Its statistics exist from construction (zeros, step 0), as they would before a first step.
     hivemind runs one optimizer step on zero gradients to create the state of an optimizer that
@@ -42,12 +44,34 @@ class ClippedLAMB8bit(bnb.optim.LAMB8bit):
     """
 
     def __init__(self, params, *, clip_grad_norm: float, **kwargs):
+        # Not bitsandbytes' LAMB8bit: its 8-bit kernels (tensors of 4096+ elements) ignore the
+        # trust ratio, so the big matrices take plain Adam steps (50-140% of a weight's norm in
+        # one step at lr 0.01, where LAMB moves it by lr = 1%), and its 32-bit path clips the
+        # update to the weight's norm, so zero-initialised biases never move. bitsandbytes' AdamW
+        # computes u = adam + weight_decay * w here, ``update_step`` scales it by the trust ratio.
         super().__init__(params, **kwargs)
         self.clip_grad_norm = clip_grad_norm
         for gindex, group in enumerate(self.param_groups):
             for pindex, p in enumerate(group["params"]):
                 if len(self.state[p]) == 0:
                     self.init_state(group, p, gindex, pindex)
+
+    @torch.no_grad()
+    def update_step(self, group, p, gindex, pindex):
+        """bitsandbytes' Adam step (with decoupled weight decay), scaled per matrix by LAMB's trust
+        ratio ||w|| / ||u||: the step moves a matrix by ``lr`` times its norm (a matrix or update of
+        norm zero takes the plain step). Vectors (biases, norms' gains, LayerScale) take the plain
+        AdamW step: the layer-wise ratio would pin a zero-initialised bias at zero and move a
+        gain of ones by ``lr`` times sqrt(width) at once."""
+        if p.dim() < 2:  # biases, norms, LayerScale: plain AdamW steps, as BERT's LAMB excludes them
+            return super().update_step(group, p, gindex, pindex)
+        before = p.detach().clone()
+        super().update_step(group, p, gindex, pindex)
+        step = p.detach() - before
+        weight_norm, step_norm = before.float().norm(), step.float().norm()
+        if weight_norm > 0 and step_norm > 0:
+            trust = (group["lr"] * weight_norm / step_norm).item()  # ||step|| = lr * ||u||
+            p.copy_(before.add_(step, alpha=trust))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -109,7 +133,28 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
         return self.final_epoch is not None and next_epoch >= self.final_epoch
 
+    def _lone_step_confirmed(self) -> bool:
+        """Before a step that would use our gradients alone (the tracker sees no other peer), read
+        the swarm's progress afresh: the tracker's view can be a refresh period old, and peers that
+        started together would each take their first step alone, their optimizer statistics then
+        apart for the rest of the run (two peers ended 10-30% of their training apart). False if
+        other peers now show up and the epoch is not due yet: keep accumulating."""
+        tracker = self.tracker
+        if tracker.global_progress.num_peers > 1:
+            return True
+        try:
+            found = self.dht.get(tracker.training_progress_key, latest=True)
+        except Exception as e:  # the DHT is busy or shutting down: go on as hivemind would
+            logger.debug("could not re-read the swarm's progress: %r", e)
+            return True
+        with tracker.lock_global_progress:
+            tracker.global_progress = tracker._parse_swarm_progress_data(
+                found.value if isinstance(found, ValueWithExpiration) else None)
+        return tracker.global_progress.num_peers <= 1 or tracker.ready_to_update_epoch
+
     def _update_global_epoch(self, grad_scaler) -> None:
+        if not self._lone_step_confirmed():
+            return
         # The step into our last epoch does not average state: we leave right after it and could
         # not stay for the round, and a groupmate that leaves mid-round leaves the others with a
         # partial average of parameters (seen: a peer ending 0.03 away from the rest). The last
@@ -433,7 +478,12 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
         averager_opts=dict(request_timeout=config.request_timeout_s,
                            min_group_size=config.min_group_size),
         next_chunk_timeout=config.next_chunk_timeout_s,
-        tracker_opts=dict(min_refresh_period=0.5, max_refresh_period=max(2.0, config.matchmaking_time_s)),
+        # A peer that sees nobody looks again every 0.5 s (hivemind: every 3 s): peers that start
+        # together must see each other before the first step, or each takes it alone and their
+        # optimizer statistics stay apart for good (two peers ended 10-30% of their training
+        # apart). Once peers are found, the refresh follows the time to the next epoch.
+        tracker_opts=dict(min_refresh_period=0.5, max_refresh_period=max(2.0, config.matchmaking_time_s),
+                          default_refresh_period=0.5),
     )
 
 
