@@ -121,3 +121,9 @@ def test_model_info_cli_prints_the_paper_counts_as_json():
     bad = subprocess.run([sys.executable, "-m", "crowdtrain.cli", "model-info", "--preset", "huge"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown model preset 'huge'" in bad.stderr
+
+
+def test_warmup_never_exceeds_the_peak_rate_at_fractional_steps():
+    # DiLoCo keys its inner rate on the epoch plus the progress into it (0.5 = half an epoch).
+    rates = [linear_warmup_decay(s / 10, warmup_steps=2, total_steps=20) for s in range(200)]
+    assert max(rates) == 1.0 and rates[0] == 0.5

@@ -13,8 +13,8 @@ def linear_warmup_decay(step: int, *, warmup_steps: int, total_steps: int) -> fl
     """Multiplier of the peak rate: linear 0 -> 1 over warm-up, then linear 1 -> 0 at total_steps."""
     if total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {total_steps}")
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
+    if step < warmup_steps:  # fractional steps (DiLoCo's inner rate, keyed on epoch progress) stay <= 1
+        return min(1.0, (step + 1) / warmup_steps)
     remaining = total_steps - warmup_steps
     return max(0.0, 1.0 - (step - warmup_steps) / max(1, remaining))
 
