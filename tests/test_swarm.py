@@ -59,18 +59,21 @@ def test_three_unequal_peers_train_one_model(swarm_factory):
     # Everyone contributed, the big batch most.
     assert all(s["samples"] > 0 for s in summaries.values())
     assert summaries["a"]["samples"] > summaries["c"]["samples"]
-    # Parameters agree, the loss went down. Random models differ by ~0.3 here, one optimizer
-    # update moves weights by up to ~0.04. Mostly they agree within compression error (fp16 on the
-    # wire for tiny tensors: 0 to 1e-3 in 10 of 14 runs); when a round returned part of the
-    # average to every groupmate (a peer's part never arrived in time) each kept its own
-    # gradients there, and nobody holds a better state (seen: 0.03-0.045). Before the fixes to
-    # downloads (LAMB scales zeroed by fp16, a state served mid-update) peers ended 0.15 to 1.7
-    # apart.
+    # Parameters agree, the loss went down. Random models differ by ~0.3 here; one optimizer
+    # update moves a weight by up to about the learning rate (0.1: AdamW on biases and norms,
+    # LAMB's 10% of a matrix's norm), so peers that stopped sharing would be several updates
+    # apart. Mostly they agree within compression error (fp16 on the wire for tiny tensors);
+    # when a round returned part of the average to every groupmate (a peer's part never arrived
+    # in time) each kept its own gradients there, and nobody holds a better state: an update or
+    # two apart (seen with two CPU hogs beside the test: 0.078 and, for the slow peer, 0.184).
+    # Before the fixes to downloads (LAMB scales zeroed by fp16, a state served mid-update) peers
+    # ended 0.15 to 1.7 apart at lr 0.01.
     params = {n: load_file(str(swarm.tmp / f"{n}.safetensors")) for n in "abc"}
+    bound = 2.5 * swarm.swarm["lr"]
     for key, ref in params["a"].items():
         scale = max(1.0, ref.abs().max().item())
         for other in "bc":
-            assert (params[other][key] - ref).abs().max().item() < 6e-2 * scale, (key, other)
+            assert (params[other][key] - ref).abs().max().item() < bound * scale, (key, other)
     start = initial_loss()
     assert eval_loss(swarm.tmp / "a.safetensors") < start - 0.15, (start, eval_loss(swarm.tmp / "a.safetensors"))
     # Peers averaged with others in most rounds. How many rounds had *every* live peer is
