@@ -217,7 +217,7 @@ class DiLoCoOptimizer:
         suspects = SuspectPeers()  # judged by the averager's reducers, discounted by the tracker
         self.tracker = SuspectAwareProgressTracker(
             dht=dht, prefix=config.run_id, target_batch_size=config.target_batch_size, client_mode=client_mode,
-            status_loglevel=self.status_loglevel, min_refresh_period=0.5, default_refresh_period=0.5,
+            status_loglevel=self.status_loglevel, min_refresh_period=0.5,
             max_refresh_period=max(2.0, config.matchmaking_time_s), suspects=suspects, start=True)
         self.averager = guarded(DiLoCoAverager, access_guard)(
             make_outer_optimizer(global_params, config), dht=dht, prefix=f"{config.run_id}_diloco",
