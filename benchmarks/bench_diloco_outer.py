@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 import tempfile
@@ -66,9 +67,8 @@ def run_arm(arm: dict, *, data: str, samples: int, points: int, rows, seed: int 
     from crowdtrain.train.task import DalleTask
     from crowdtrain.train.validate import valid_loss
 
-    config = laptop_swarm_config()
-    config = type(config)(**{**config.to_dict(), "outer_lr": arm["outer_lr"],
-                             "outer_momentum": arm["outer_momentum"], "target_batch_size": arm["target"]})
+    config = dataclasses.replace(laptop_swarm_config(), outer_lr=arm["outer_lr"],
+                                 outer_momentum=arm["outer_momentum"], target_batch_size=arm["target"])
     task = DalleTask(get_preset("demo", token_shift=True), data=data)
     torch.manual_seed(seed)
     model = task.build_model()
@@ -95,8 +95,8 @@ def run_arm(arm: dict, *, data: str, samples: int, points: int, rows, seed: int 
                 inner.step()
                 inner.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for i, g in enumerate(global_params):
-                g.grad = torch.stack([g - list(p.parameters())[i] for p in peers]).mean(0)
+            for g, *local in zip(global_params, *(peer.parameters() for peer in peers)):
+                g.grad = torch.stack([g - p for p in local]).mean(0)  # the averaged pseudo-gradient
             outer.step()
             for peer in peers:
                 for p, g in zip(peer.parameters(), global_params):

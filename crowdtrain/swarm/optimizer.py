@@ -20,7 +20,6 @@ import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.utils import ValueWithExpiration
 
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.auth import AccessGuard, guarded
@@ -143,13 +142,10 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         if tracker.global_progress.num_peers > 1:
             return True
         try:
-            found = self.dht.get(tracker.training_progress_key, latest=True)
+            tracker.refresh()
         except Exception as e:  # the DHT is busy or shutting down: go on as hivemind would
             logger.debug("could not re-read the swarm's progress: %r", e)
             return True
-        with tracker.lock_global_progress:
-            tracker.global_progress = tracker._parse_swarm_progress_data(
-                found.value if isinstance(found, ValueWithExpiration) else None)
         return tracker.global_progress.num_peers <= 1 or tracker.ready_to_update_epoch
 
     def _update_global_epoch(self, grad_scaler) -> None:

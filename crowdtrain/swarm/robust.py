@@ -291,6 +291,14 @@ class SuspectAwareProgressTracker(ProgressTracker):
         self.suspects = suspects  # before the tracker's thread starts
         super().__init__(*args, **kwargs)
 
+    def refresh(self) -> None:
+        """Read the swarm's progress now instead of at the next scheduled fetch (which, while no
+        other peer was seen, is a refresh period away). Raises what the DHT raises."""
+        found = self.dht.get(self.training_progress_key, latest=True)
+        with self.lock_global_progress:
+            self.global_progress = self._parse_swarm_progress_data(
+                found.value if isinstance(found, ValueWithExpiration) else None)
+
     def _parse_swarm_progress_data(self, metadata):
         suspects = self.suspects.snapshot()
         if suspects and isinstance(metadata, dict):
