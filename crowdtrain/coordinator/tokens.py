@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import base58
 from cryptography import exceptions
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
@@ -145,17 +146,6 @@ def check_token_request(public_key: bytes, user: str, timestamp: str, signature:
                          "a key may ask for a token for it") from e
 
 
-_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-
-
-def _base58(data: bytes) -> str:
-    n, out = int.from_bytes(data, "big"), ""
-    while n:
-        n, digit = divmod(n, 58)
-        out = _BASE58[digit] + out
-    return "1" * (len(data) - len(data.lstrip(b"\0"))) + out
-
-
 def peer_id_of_key(public_key: bytes) -> str:
     """The libp2p peer ID (base58) of an RSA public key in OpenSSH encoding.
 
@@ -172,4 +162,4 @@ def peer_id_of_key(public_key: bytes) -> str:
         if not length:
             break
     encoded = b"\x08\x00" + b"\x12" + varint + der  # field 1 (Type) = 0, field 2 (Data) = der
-    return _base58(b"\x12\x20" + hashlib.sha256(encoded).digest())  # multihash: sha2-256, 32 bytes
+    return base58.b58encode(b"\x12\x20" + hashlib.sha256(encoded).digest()).decode()  # multihash: sha2-256, 32 bytes
