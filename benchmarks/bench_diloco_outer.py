@@ -13,12 +13,15 @@ delays of real rounds on top (``bench_quality.py``'s ``diloco`` arm measures tho
 Arms (``--arms``), each over ``--samples`` samples of the demo data, all peers together:
 
 - ``solo``: one process, AdamW at batch 32 (the shape of ``crowdtrain train``'s best settings);
-- ``LR:MOMENTUM[@TARGET]``: three peers at batch 16 with that outer learning rate and momentum,
-  syncing every TARGET samples (default ``--target``). ``1:0`` is plain parameter averaging.
+- ``LR:MOMENTUM[@TARGET][/INNER_LR]``: three peers at batch 16 with that outer learning rate and
+  momentum, syncing every TARGET samples (default ``--target``), at the ``laptop`` preset's inner
+  AdamW rate or INNER_LR. ``1:0`` is plain parameter averaging.
 
-Every arm's schedule spans its samples (warm-up over the first 8%, linear decay to zero at the
-end, as the demo sizes it), and its held-out loss is taken on the demo's valid split at
-``--points`` evenly spaced sample counts.
+Every arm's schedule spans its samples and decays linearly to zero at the end, as the demo sizes
+it. Warm-up: the swarm arms ramp from zero over the ``laptop`` preset's ``warmup_epochs`` rounds
+(at most a fifth of the run), keyed on the fractional round as DiLoCo's inner rate is; ``solo``
+over the first 8% of its steps, stepwise, as ``crowdtrain train``. Held-out loss is taken on the
+demo's valid split at ``--points`` evenly spaced sample counts.
 
     python benchmarks/bench_diloco_outer.py [--samples 12000] [--arms solo,0.7:0.9,1:0,1:0.5]
 
@@ -48,20 +51,22 @@ WARMUP_SHARE = 0.08
 def parse_arm(arm: str, default_target: int) -> dict:
     if arm == "solo":
         return {"name": arm, "peers": 1, "batch": SOLO_BATCH, "target": SOLO_BATCH, "outer_lr": 1.0,
-                "outer_momentum": 0.0}
+                "outer_momentum": 0.0, "inner_lr": None}
     try:
-        rates, _, target = arm.partition("@")
+        rest, _, inner_lr = arm.partition("/")
+        rates, _, target = rest.partition("@")
         lr, momentum = (float(x) for x in rates.split(":"))
         target = int(target) if target else default_target
+        inner_lr = float(inner_lr) if inner_lr else None
     except ValueError:
-        raise SystemExit(f"arm {arm!r}: expected 'solo' or LR:MOMENTUM[@TARGET], e.g. 0.7:0.9@768") from None
+        raise SystemExit(f"arm {arm!r}: expected 'solo' or LR:MOMENTUM[@TARGET][/INNER_LR], e.g. 0.7:0.9@768/3e-3") from None
     return {"name": arm, "peers": PEERS, "batch": PEER_BATCH, "target": target, "outer_lr": lr,
-            "outer_momentum": momentum}
+            "outer_momentum": momentum, "inner_lr": inner_lr}
 
 
 def run_arm(arm: dict, *, data: str, samples: int, points: int, rows, seed: int = 0) -> list[dict]:
     from crowdtrain.model.config import get_preset
-    from crowdtrain.optim.schedule import linear_warmup_decay, param_groups
+    from crowdtrain.optim.schedule import linear_warmup_decay, param_groups, warmup_decay_at
     from crowdtrain.swarm.config import laptop_swarm_config
     from crowdtrain.swarm.diloco import make_inner_optimizer, make_outer_optimizer
     from crowdtrain.train.task import DalleTask
@@ -69,6 +74,8 @@ def run_arm(arm: dict, *, data: str, samples: int, points: int, rows, seed: int 
 
     config = dataclasses.replace(laptop_swarm_config(), outer_lr=arm["outer_lr"],
                                  outer_momentum=arm["outer_momentum"], target_batch_size=arm["target"])
+    if arm["inner_lr"] is not None:
+        config = dataclasses.replace(config, lr=arm["inner_lr"])
     task = DalleTask(get_preset("demo", token_shift=True), data=data)
     torch.manual_seed(seed)
     model = task.build_model()
@@ -80,15 +87,19 @@ def run_arm(arm: dict, *, data: str, samples: int, points: int, rows, seed: int 
     steps_per_round = max(1, arm["target"] // (arm["peers"] * arm["batch"]))
     round_samples = steps_per_round * arm["peers"] * arm["batch"]
     total_rounds = max(1, samples // round_samples)
-    warmup = max(1, round(WARMUP_SHARE * total_rounds))
+    if arm["peers"] == 1:
+        warmup = max(1, round(WARMUP_SHARE * total_rounds))
+        schedule = lambda r, s: linear_warmup_decay(r, warmup_steps=warmup, total_steps=total_rounds)  # noqa: E731
+    else:
+        warmup = min(config.warmup_epochs, total_rounds // 5)
+        schedule = lambda r, s: warmup_decay_at(r + s / steps_per_round, warmup=warmup, total=total_rounds)  # noqa: E731
     marks = {round(total_rounds * (k + 1) / points) for k in range(points)}
     results, t0 = [], time.perf_counter()
     for r in range(total_rounds):
         for peer, inner, stream in zip(peers, inners, streams):
             for s in range(steps_per_round):
-                factor = linear_warmup_decay(r + s / steps_per_round, warmup_steps=warmup, total_steps=total_rounds)
                 for group in inner.param_groups:
-                    group["lr"] = config.lr * factor
+                    group["lr"] = config.lr * schedule(r, s)
                 loss = task.loss(peer, next(stream))
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(peer.parameters(), config.clip_grad_norm)

@@ -10,7 +10,7 @@ import torch
 from crowdtrain.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, load_optimizer_state,
                                    prune_checkpoints, save_checkpoint)
 from crowdtrain.model import DalleTransformer, get_preset
-from crowdtrain.optim import linear_warmup_decay, param_groups
+from crowdtrain.optim import linear_warmup_decay, param_groups, warmup_decay_at
 from crowdtrain.train.local import LocalTrainConfig, train_local
 from crowdtrain.train.task import DalleTask, stable_seed, task_from_description
 
@@ -123,7 +123,11 @@ def test_model_info_cli_prints_the_paper_counts_as_json():
     assert bad.returncode == 2 and "unknown model preset 'huge'" in bad.stderr
 
 
-def test_warmup_never_exceeds_the_peak_rate_at_fractional_steps():
-    # DiLoCo keys its inner rate on the epoch plus the progress into it (0.5 = half an epoch).
-    rates = [linear_warmup_decay(s / 10, warmup_steps=2, total_steps=20) for s in range(200)]
-    assert max(rates) == 1.0 and rates[0] == 0.5
+def test_warmup_on_a_continuous_position_starts_from_zero_and_never_exceeds_the_peak():
+    # DiLoCo keys its inner rate on the epoch plus the progress into it (0.5 = half an epoch);
+    # its first inner steps must not take half the peak rate (bench_diloco_outer: 0.84 vs 0.65).
+    rates = [warmup_decay_at(s / 10, warmup=2, total=20) for s in range(201)]
+    assert rates[0] == 0.0 and rates[1] == pytest.approx(0.05) and rates[20] == pytest.approx(1.0)
+    assert max(rates) == 1.0 and all(a <= b for a, b in zip(rates[:20], rates[1:21]))
+    assert all(a >= b for a, b in zip(rates[20:], rates[21:])) and rates[200] == 0.0
+    assert warmup_decay_at(3.0, warmup=0, total=10) == pytest.approx(0.7)  # no warm-up: decay only

@@ -56,7 +56,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
-from crowdtrain.optim import linear_warmup_decay, param_groups
+from crowdtrain.optim import param_groups, warmup_decay_at
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import swarm_epoch_now
@@ -399,8 +399,8 @@ class DiLoCoOptimizer:
     def _set_inner_lr(self) -> None:
         # Keyed on the fractional global epoch, so the schedule moves within long rounds too.
         progress = min(1.0, self.tracker.global_progress.samples_accumulated / self.config.target_batch_size)
-        factor = linear_warmup_decay(self._progress_epoch + progress, warmup_steps=self.config.warmup_epochs,
-                                     total_steps=self.config.total_epochs)
+        factor = warmup_decay_at(self._progress_epoch + progress, warmup=self.config.warmup_epochs,
+                                 total=self.config.total_epochs)
         for group in self.inner.param_groups:
             group["lr"] = self.config.lr * factor
 
