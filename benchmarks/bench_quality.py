@@ -7,7 +7,7 @@ Arms (``--arms``), each on this machine, each for ``--minutes`` (schedules sized
 - ``sync``: three peers in sync mode with the ``demo`` swarm preset (LAMB 8-bit, lr 0.01, a
   256-sample global batch, delayed updates), the paper's way of training together;
 - ``diloco``: three peers in DiLoCo mode with the ``laptop`` preset (AdamW inner steps at lr 3e-3,
-  an outer Nesterov step every 768 samples): what ``crowdtrain demo`` runs.
+  the peers' models averaged every 768 samples): what ``crowdtrain demo`` runs.
 
 Equivalence (``solo-lamb`` and ``sync-equal``, by epochs, not minutes): the same optimizer and
 schedule, the same global batch of 256, the same number of steps (``--equal-epochs``), no delayed
