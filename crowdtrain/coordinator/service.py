@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, Field
 
@@ -82,11 +83,18 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _inside(root: Path, relative: str) -> Path:
-    """``root / relative`` if it stays inside root and is a file; else 404 (no path traversal)."""
+    """``root / relative`` if it stays inside root and is a file; else 404 (no path traversal).
+    A NUL byte is 400: no file name holds one, and the OS calls refuse it with an exception."""
+    if "\0" in relative:
+        raise HTTPException(400, "bad file path: it contains a NUL byte (%00)")
     root = root.resolve()
-    path = (root / relative).resolve()
-    if root not in path.parents or not path.is_file():
-        raise HTTPException(404, f"no such file: {relative}")
+    try:
+        path = (root / relative).resolve()
+        found = root in path.parents and path.is_file()
+    except (OSError, ValueError):  # a name too long for the file system, ...
+        found = False
+    if not found:
+        raise HTTPException(404, f"no such file: {relative[:200]}")
     return path
 
 
@@ -141,6 +149,15 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
                                         status_code=413)
             request._body = body  # starlette reads the cached body downstream
         return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        # FastAPI's own answer echoes every bad value back; one that JSON cannot encode (a lone
+        # surrogate, "\ud800", in a user name) then turned the 422 into a 500. Name the field and
+        # the problem, not the value.
+        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                  for e in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
 
     # The memory calculator page, for volunteers sizing a GPU, with the way back to the run's pages.
     app.include_router(memcalc_router("/memcalc", nav=tuple(link for link in NAV if link[0] != "/memcalc/")))

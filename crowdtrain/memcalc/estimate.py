@@ -21,6 +21,7 @@ input per layer), then an 8-bit or factorized optimizer (states from 8 or 12 B/p
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from crowdtrain.memcalc.architectures import ACTIVATION_COEFFS, Architecture, get_architecture
@@ -60,8 +61,8 @@ class Options:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         if self.shared_groups is not None and self.shared_groups < 1:
             raise ValueError(f"shared_groups must be >= 1 (or None for no sharing), got {self.shared_groups}")
-        if self.pcie_gb_per_s <= 0:
-            raise ValueError("pcie_gb_per_s must be positive")
+        if not (math.isfinite(self.pcie_gb_per_s) and self.pcie_gb_per_s > 0):  # NaN passes a plain `<= 0`
+            raise ValueError(f"pcie_gb_per_s must be a positive finite number, got {self.pcie_gb_per_s}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Options":

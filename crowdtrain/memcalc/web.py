@@ -8,6 +8,7 @@ JSON API it calls. No torch here: the coordinator's process must not import it.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
@@ -27,6 +28,16 @@ def _plotly_js() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"plotly.min.js not found at {path}; reinstall the `plotly` package")
     return path
+
+
+def _finite(value) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return True
 
 
 def create_router(prefix: str = "/memcalc", nav: tuple[tuple[str, str], ...] = ()) -> APIRouter:
@@ -61,9 +72,17 @@ def create_router(prefix: str = "/memcalc", nav: tuple[tuple[str, str], ...] = (
             options = Options(optimizer=optimizer, precision=precision, offload=offload, checkpointing=checkpointing,
                               reversible=reversible, shared_groups=shared_groups, batch_size=batch_size,
                               seq_len=seq_len, pcie_gb_per_s=pcie_gb_per_s)
-            return estimate(model, options).to_dict()
+            result = estimate(model, options).to_dict()
         except ValueError as e:
             raise HTTPException(status_code=422, detail=str(e)) from e
+        except OverflowError:
+            result = None
+        # Inputs out of any real range (batch_size 10**40, pcie_gb_per_s 1e-320) give numbers no
+        # float or JSON holds: say so instead of failing to encode the answer.
+        if result is None or not _finite(result):
+            raise HTTPException(status_code=422, detail="these inputs give numbers too large to estimate: use a "
+                                                        "realistic batch_size, seq_len and pcie_gb_per_s")
+        return result
 
     return router
 

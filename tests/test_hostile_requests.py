@@ -1,0 +1,69 @@
+"""What a hostile or broken client can send the coordinator's HTTP service, and what it learns.
+
+The real app through FastAPI's TestClient (with ``raise_server_exceptions=False``, so a crash
+shows as the 500 a client would see), and a real server for the volunteer's own HTTP code.
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from crowdtrain.coordinator.db import Store, default_url
+from crowdtrain.coordinator.run import CoordinatorConfig, build_spec
+from crowdtrain.coordinator.service import AuthSettings, create_app
+from crowdtrain.coordinator.tokens import token_request
+from crowdtrain.swarm.auth import load_identity
+
+VOLUNTEER_MADDR = "/ip4/203.0.113.7/tcp/40123/p2p/QmVolunteer"
+BOOTSTRAP_MADDR = "/ip4/198.51.100.1/tcp/31337/p2p/QmCoordinator"
+
+
+def signed(tmp_path: Path, user: str, name: str = "peer") -> dict:
+    """A token request as `crowdtrain join` sends it: signed by the peer's identity."""
+    key = load_identity(tmp_path / f"{name}.key")
+    return token_request(key.get_public_key().to_bytes(), user, key.sign)
+
+
+def make_app(tmp_path: Path, *, mode: str = "open", run_json: dict | None = None):
+    run, shards = tmp_path / "run", tmp_path / "shards"
+    run.mkdir(exist_ok=True)
+    shards.mkdir(exist_ok=True)
+    (shards / "train-00000.parquet").write_bytes(b"shard")
+    if run_json is not None:
+        (run / "run.json").write_text(json.dumps(run_json))
+    store = Store(default_url(run))
+    app = create_app(run, store=store, shards_dir=shards,
+                     auth=AuthSettings(mode=mode, key_path=run / "coordinator_key.pem"))
+    return TestClient(app, raise_server_exceptions=False), store
+
+
+def test_unencodable_names_nul_bytes_and_non_finite_numbers_get_a_clear_4xx_not_a_500(tmp_path):
+    client, store = make_app(tmp_path)
+    # A lone surrogate is valid JSON ("\ud800") but no valid text: FastAPI's 422 echoed it and
+    # could not encode its own answer.
+    r = client.post("/api/token", content=b'{"public_key": "ssh-rsa AAAA", "user": "\\ud800"}',
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", "user"] and "unicode" in r.json()["detail"][0]["msg"]
+    # A NUL byte reached the OS call, which raised.
+    for path in ("/shards/train-00000.parquet%00", "/shards/%00", "/files/samples/x%00.png",
+                 "/checkpoints/step%00/config.json"):
+        r = client.get(path)
+        assert r.status_code == 400 and "NUL byte" in r.json()["detail"], (path, r.text)
+    r = client.get("/shards/" + "a" * 5000)  # a name too long for the file system: not there
+    assert r.status_code == 404, r.text[:200]
+    assert client.get("/shards/train-00000.parquet").content == b"shard", "real shards still served"
+    # NaN passed `pcie_gb_per_s <= 0` and the answer held NaN, which JSON cannot encode.
+    for value in ("nan", "inf", "-inf"):
+        r = client.get(f"/memcalc/api/estimate?model=gpt2&offload=true&pcie_gb_per_s={value}")
+        assert r.status_code == 422 and "pcie_gb_per_s must be a positive finite number" in r.json()["detail"], r.text
+    for query in ("batch_size=" + "9" * 400, "offload=true&pcie_gb_per_s=1e-320"):
+        r = client.get(f"/memcalc/api/estimate?model=gpt2&{query}")
+        assert r.status_code == 422 and "too large to estimate" in r.json()["detail"], (query, r.text)
+    assert client.get("/memcalc/api/estimate?model=gpt2").status_code == 200
