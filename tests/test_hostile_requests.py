@@ -67,3 +67,21 @@ def test_unencodable_names_nul_bytes_and_non_finite_numbers_get_a_clear_4xx_not_
         r = client.get(f"/memcalc/api/estimate?model=gpt2&{query}")
         assert r.status_code == 422 and "too large to estimate" in r.json()["detail"], (query, r.text)
     assert client.get("/memcalc/api/estimate?model=gpt2").status_code == 200
+
+
+def test_user_names_are_ascii_so_a_lookalike_of_another_name_is_refused(tmp_path):
+    client, store = make_app(tmp_path)
+    assert client.post("/api/token", json=signed(tmp_path, "alice")).status_code == 200
+    lookalike = "\u0430lice"  # Cyrillic a
+    r = client.post("/api/token", json=signed(tmp_path, lookalike, name="mallory"))
+    assert r.status_code == 422 and "ASCII" in r.json()["detail"], r.text
+    for name in ("\u00e9mile", "\u0101", "\uff41lice"):  # accented, Latin extended, fullwidth
+        assert client.post("/api/token", json=signed(tmp_path, name, name="mallory")).status_code == 422
+    with pytest.raises(ValueError, match="ASCII"):
+        store.add_user(lookalike)  # `crowdtrain users add` (allowlist runs) goes through the same rule
+    assert [u["name"] for u in store.list_users()] == ["alice"]
+    assert "alice" in {r["user"] for r in client.get("/api/leaderboard").json()}
+    # `crowdtrain join` says so at once, instead of retrying a refused token request.
+    out = subprocess.run([sys.executable, "-m", "crowdtrain.cli", "join", "http://127.0.0.1:9", "--user", lookalike],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "ASCII" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -163,8 +163,12 @@ def _plausible_time(ts: float | None, now: float) -> float | None:
     return ts if ts is not None and math.isfinite(ts) and 0 < ts <= now + MAX_CLOCK_SKEW_S else None
 
 
+USER_NAME_RULE = "1-64 ASCII letters, digits, '-', '_' or '.'"
+
+
 def valid_user_name(name: str) -> bool:
-    return 1 <= len(name) <= 64 and all(c.isalnum() or c in "-_." for c in name)
+    """ASCII only: a name that looks like another user's (Cyrillic 'а' for Latin 'a') must not pass."""
+    return 1 <= len(name) <= 64 and name.isascii() and all(c.isalnum() or c in "-_." for c in name)
 
 
 class Store:
@@ -191,7 +195,7 @@ class Store:
     def add_user(self, name: str) -> str:
         """Create a user (or give a revoked one a fresh key); returns the API key, shown once."""
         if not valid_user_name(name):
-            raise ValueError(f"user names are 1-64 letters, digits, '-', '_' or '.', got {name!r}")
+            raise ValueError(f"user names are {USER_NAME_RULE}, got {name!r}")
         api_key = "ct_" + secrets.token_urlsafe(24)
         with self.session.begin() as s:
             user = s.scalar(select(User).where(User.name == name))

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, Field
 
-from crowdtrain.coordinator.db import Store, valid_user_name
+from crowdtrain.coordinator.db import USER_NAME_RULE, Store, valid_user_name
 from crowdtrain.coordinator.tokens import CoordinatorKey, check_token_request, peer_id_of_key
 
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "optimizer.safetensors", "text_tokenizer.json",
@@ -205,7 +205,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
         else:
             user = body.user
             if not valid_user_name(user) or user == "coordinator":
-                raise HTTPException(422, f"--user must be 1-64 letters, digits, '-', '_' or '.', got {user!r}")
+                raise HTTPException(422, f"--user must be {USER_NAME_RULE}, got {user!r}")
             if store.is_revoked(user):
                 raise HTTPException(403, f"user {user!r} was revoked by the organizer")
         public_key = body.public_key.encode()

@@ -23,7 +23,8 @@ def register(subparsers) -> None:
                    help="your API key for runs that admit only invited users (or set CROWDTRAIN_KEY); the "
                         "organizer makes one with `crowdtrain users add NAME`")
     p.add_argument("--user", default="anonymous",
-                   help="name shown for your contributions in open runs (with --key, the key's user is used)")
+                   help="name shown for your contributions in open runs: 1-64 ASCII letters, digits, '-', '_', '.' "
+                        "(with --key, the key's user is used)")
     p.add_argument("--identity", default=None,
                    help="file of this peer's private key (made if missing); default: a fresh one per process")
     p.add_argument("--simulated-step-s", type=float, default=0.0,

@@ -56,6 +56,10 @@ class VolunteerConfig:
                              f"got {self.coordinator_url!r}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        from crowdtrain.coordinator.db import USER_NAME_RULE, valid_user_name
+
+        if not valid_user_name(self.user) or self.user == "coordinator":  # the coordinator refuses it too
+            raise ValueError(f"--user must be {USER_NAME_RULE} (and not 'coordinator'), got {self.user!r}")
         from crowdtrain.swarm.attacks import parse_fault
 
         parse_fault(self.fault)
