@@ -85,3 +85,34 @@ def test_user_names_are_ascii_so_a_lookalike_of_another_name_is_refused(tmp_path
     out = subprocess.run([sys.executable, "-m", "crowdtrain.cli", "join", "http://127.0.0.1:9", "--user", lookalike],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "ASCII" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_refused_token_request_leaves_no_user_behind_on_an_open_run(tmp_path):
+    client, store = make_app(tmp_path)
+    own, other = signed(tmp_path, "ghost"), signed(tmp_path, "ghost", name="other")
+    refused = [{**own, "signature": ""},  # unsigned
+               {**own, "public_key": other["public_key"], "peer_id": other["peer_id"]},  # not signed by that key
+               {**own, "public_key": other["public_key"]},  # the peer ID of another key
+               {**own, "peer_id": other["peer_id"]},
+               {**own, "public_key": "ssh-rsa garbage"}]
+    for body in refused:
+        assert client.post("/api/token", json=body).status_code in (403, 422)
+    assert store.list_users() == [] and client.get("/api/leaderboard").json() == []
+    assert store.counters()["token_requests_refused"] == 4  # the garbage key is malformed, not refused
+    assert client.post("/api/token", json=own).status_code == 200
+    assert [u["name"] for u in store.list_users()] == ["ghost"]
+
+
+def test_counters_keep_the_runs_total_across_restarts_of_the_process_that_counts(tmp_path):
+    """The auxiliary peer counts refused records and requests in memory (from zero at each start)
+    and adds what is new to the database, so its restart (it is restarted if it dies) loses nothing."""
+    store = Store(default_url(tmp_path))
+    reported: dict[str, int] = {}
+    store.add_new_counts(reported, {"metrics_records_refused": 3, "averaging_requests_refused": 1})
+    store.add_new_counts(reported, {"metrics_records_refused": 5, "averaging_requests_refused": 1})
+    store.bump("token_requests_refused")  # the web process counts in the same table
+    store.close()
+    restarted = Store(default_url(tmp_path))
+    restarted.add_new_counts({}, {"metrics_records_refused": 2, "averaging_requests_refused": 0})
+    assert restarted.counters() == {"metrics_records_refused": 7, "averaging_requests_refused": 1,
+                                    "token_requests_refused": 1}

@@ -315,12 +315,14 @@ class Store:
                     s.add(Counter(name=name, value=by))
         _retry_on_conflict(write)
 
-    def set_counter(self, name: str, value: int) -> None:
-        def write():
-            with self.session.begin() as s:
-                if s.execute(update(Counter).where(Counter.name == name).values(value=value)).rowcount == 0:
-                    s.add(Counter(name=name, value=value))
-        _retry_on_conflict(write)
+    def add_new_counts(self, reported: dict[str, int], counts: dict[str, int]) -> None:
+        """Add what each of a process's own counts (from zero at its start) grew by since it last
+        reported them (``reported``, updated here): the stored counters keep the run's totals
+        across restarts of that process. (Storing the counts themselves reset them at every restart.)"""
+        for name, value in counts.items():
+            if value > reported.get(name, 0):
+                self.bump(name, value - reported.get(name, 0))
+                reported[name] = value
 
     def counters(self) -> dict[str, int]:
         with self.session() as s:

@@ -230,11 +230,8 @@ class AuxPeer:
         self.store.record_swarm_point(epoch=epoch, loss=mean_loss, active_peers=len(live), samples_per_second=rate)
         self.collect_contributions()
         # Bumped by what is new since the last turn, so the counts add up across restarts.
-        for name, value in (("metrics_records_refused", int(self.refused_records.value)),
-                            ("averaging_requests_refused", int(self.guard.refused))):
-            if value > self._reported.get(name, 0):
-                self.store.bump(name, value - self._reported.get(name, 0))
-                self._reported[name] = value
+        self.store.add_new_counts(self._reported, {"metrics_records_refused": int(self.refused_records.value),
+                                                   "averaging_requests_refused": int(self.guard.refused)})
         write_json_atomic(self.run_dir / "status.json", {
             "epoch": epoch, "peers": [r.dict() for r in live], "updated": time.time(),
             "last_checkpoint_epoch": self.last_checkpoint_epoch, "samples_per_second": rate,
