@@ -116,3 +116,69 @@ def test_counters_keep_the_runs_total_across_restarts_of_the_process_that_counts
     restarted.add_new_counts({}, {"metrics_records_refused": 2, "averaging_requests_refused": 0})
     assert restarted.counters() == {"metrics_records_refused": 7, "averaging_requests_refused": 1,
                                     "token_requests_refused": 1}
+
+
+def run_json(tmp_path: Path) -> dict:
+    """run.json as the auxiliary peer writes it, from the spec the coordinator really builds."""
+    config = CoordinatorConfig(run_dir=str(tmp_path / "run"), data="shapes")
+    spec = build_spec(config, shards_dir=tmp_path / "shards")
+    return {"run_id": "r1", "fingerprint": "f" * 16, "swarm": spec["swarm"], "task": spec["task"],
+            "initial_peers": [BOOTSTRAP_MADDR], "text_tokenizer": spec["text_tokenizer"],
+            "coordinator_peer_id": "QmCoordinator", "auth": {"mode": spec["auth"]["mode"]}}
+
+
+def status_json(run: Path) -> None:
+    peer = {"peer_id": "QmVolunteer", "epoch": 3, "samples": 64, "samples_per_second": 5.0, "loss": 4.0, "steps": 4,
+            "time": time.time(), "client_mode": False, "last_round_peers": 2, "swarm_peers": 2, "fingerprint": "f",
+            "user": "alice", "maddrs": [VOLUNTEER_MADDR]}
+    (run / "status.json").write_text(json.dumps({"epoch": 3, "peers": [peer], "updated": time.time()}))
+
+
+def test_join_info_holds_no_coordinator_paths_and_no_page_gives_out_volunteers_addresses(tmp_path):
+    info = run_json(tmp_path)
+    info["text_tokenizer"]["url"] = "http://127.0.0.1:8000/assets/text_tokenizer.json"
+    client, store = make_app(tmp_path, run_json=info)
+    status_json(tmp_path / "run")
+    join = client.get("/api/join")
+    assert join.status_code == 200
+    assert join.json()["initial_peers"] == [BOOTSTRAP_MADDR], "an open run's bootstrap address is public"
+    assert join.json()["text_tokenizer"]["url"].endswith("/assets/text_tokenizer.json")
+    assert "path" not in join.json()["text_tokenizer"]
+    for secret in (str(Path(__file__).resolve().parents[1]), str(tmp_path)):
+        assert secret not in join.text, f"/api/join gives out {secret}"
+    status = client.get("/api/status").json()
+    assert [p["user"] for p in status["peers"]] == ["alice"] and "maddrs" not in status["peers"][0]
+    for path in ("/api/status", "/", "/dashboard", "/peers", "/peers?all=true", "/join", "/leaderboard"):
+        r = client.get(path)
+        assert r.status_code == 200 and "203.0.113.7" not in r.text, f"{path} gives out a volunteer's address"
+
+
+def test_an_allowlist_run_gives_peer_addresses_only_to_its_users(tmp_path):
+    """`crowdtrain join --key` asks with its key, so invited volunteers still find the swarm."""
+    import uvicorn
+
+    from crowdtrain.swarm.peer import fetch_json
+    from tests.swarm_harness import free_port
+
+    info = {**run_json(tmp_path), "auth": {"mode": "allowlist"}}
+    client, store = make_app(tmp_path, mode="allowlist", run_json=info)
+    status_json(tmp_path / "run")
+    key, revoked = store.add_user("alice"), store.add_user("bob")
+    store.revoke_user("bob")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(client.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/api/join"
+        assert fetch_json(url, patience_s=5)["initial_peers"] == []
+        assert fetch_json(url, patience_s=5, api_key="ct_guess")["initial_peers"] == []
+        assert fetch_json(url, patience_s=5, api_key=revoked)["initial_peers"] == []
+        assert fetch_json(url, patience_s=5, api_key=key)["initial_peers"] == [BOOTSTRAP_MADDR]
+        for path in ("/api/status", "/peers", "/dashboard"):
+            assert "203.0.113.7" not in client.get(path).text and "198.51.100.1" not in client.get(path).text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -2,6 +2,7 @@
 and at the averagers; a revoked user's peers drop out; the database survives a restart."""
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def test_allowlist_run_admits_keys_refuses_strangers_revokes_and_keeps_its_histo
         info = swarm.start_coordinator(extra=["--auth", "allowlist", "--token-lifetime-s", str(LIFETIME_S),
                                               "--samples-every", "0"])
         assert info["auth"]["mode"] == "allowlist"
+        assert info["initial_peers"] == [], "an allowlist run gives its addresses only to holders of a key"
+        info = json.loads((swarm.run_dir / "run.json").read_text())  # a stranger who learned them anyway
         swarm.join("alice", batch_size=16, max_epochs=1000, extra=["--key", keys["alice"]])
         swarm.join("bob", batch_size=8, max_epochs=1000, extra=["--key", keys["bob"]])
         # No key, or a made-up one: refused before any p2p start-up, with the fix in the message.
@@ -57,7 +60,8 @@ def test_allowlist_run_admits_keys_refuses_strangers_revokes_and_keeps_its_histo
             hivemind.DHT(initial_peers=info["initial_peers"], start=True)
 
         swarm.wait_epoch(2, 240)
-        status = swarm.status()
+        assert all("maddrs" not in p for p in swarm.status()["peers"]), "volunteers' addresses are not public"
+        status = json.loads((swarm.run_dir / "status.json").read_text())
         alice = next(p for p in status["peers"] if p["user"] == "alice")
         # A stranger that knows the addresses talks libp2p to the averagers directly: refused.
         for maddrs, peer_id, cls, namespace, method, request in [

@@ -111,6 +111,8 @@ def run_status(run_dir: Path, store: Store) -> dict:
     if len(history) >= 2 and history[-1]["epoch"] > history[0]["epoch"] and total:
         rate = (history[-1]["epoch"] - history[0]["epoch"]) / max(history[-1]["time"] - history[0]["time"], 1e-9)
         eta_s = max(total - epoch, 0) / rate
+    # A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
+    live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live if isinstance(p, dict)]
     losses = [p["loss"] for p in live]
     return {"run_id": info.get("run_id"), "started": info is not None and bool(info), "epoch": epoch,
             "total_epochs": total, "target_batch_size": swarm.get("target_batch_size"),
@@ -170,9 +172,18 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
             raise HTTPException(503, "the run is starting: its first peer is not up yet; retry in a few seconds")
         return info
 
-    @app.get("/api/join", summary="Everything a volunteer needs to join, as data")
-    def api_join() -> dict:
-        return join_info()
+    @app.get("/api/join", summary="Everything a volunteer needs to join, as data (on an allowlist run, the "
+                                  "swarm's addresses only with `Authorization: Bearer KEY`)")
+    def api_join(authorization: str | None = Header(None)) -> dict:
+        info = dict(join_info())
+        # Files are fetched by URL: the coordinator's own paths are nobody else's business.
+        if isinstance(info.get("text_tokenizer"), dict):
+            info["text_tokenizer"] = {k: v for k, v in info["text_tokenizer"].items() if k != "path"}
+        if auth.mode == "allowlist":
+            scheme, _, api_key = (authorization or "").partition(" ")
+            if scheme.lower() != "bearer" or not api_key or store.user_for_key(api_key) is None:
+                info["initial_peers"] = []  # an invited volunteer asks with their key
+        return info
 
     @app.post("/api/token", summary="An access token for this peer's key (send `Authorization: Bearer KEY` "
                                     "in allowlist runs)")

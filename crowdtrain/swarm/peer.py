@@ -67,13 +67,15 @@ class VolunteerConfig:
             logger.warning("--host is ignored in --client-mode: client peers accept no connections")
 
 
-def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0) -> dict:
-    """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``."""
+def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, api_key: str | None = None) -> dict:
+    """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``.
+    ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its users)."""
     deadline = time.monotonic() + patience_s
     delay, last = 1.0, None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as e:
             if e.code < 500:
@@ -169,7 +171,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     base = config.coordinator_url.rstrip("/")
-    info = fetch_json(f"{base}/api/join")
+    info = fetch_json(f"{base}/api/join", api_key=config.api_key)
     swarm = SwarmConfig.from_dict(info["swarm"])
     model_config = ModelConfig.from_dict({**info["task"]["model"], **config.model_overrides})
     check_fingerprint(info, model_config)
