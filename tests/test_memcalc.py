@@ -75,6 +75,23 @@ def test_preset_counts_match_the_code():
         assert count_preset(name) == stored[name], f"run `python -m crowdtrain.memcalc.calibrate presets`"
 
 
+@pytest.mark.parametrize("changes", [{}, {"rotary": False}, {"layer_scale": True}, {"heads": 2, "ff_mult": 3},
+                                     {"share_ids": (0, 1, 0, 2), "patterns": ("axial_row", "axial_col", "axial_row",
+                                                                              "conv_like")}])
+def test_param_count_of_a_model_config_matches_the_built_model(changes):
+    """What `crowdtrain join` sizes a run's model by, before building it."""
+    import dataclasses
+
+    from crowdtrain.memcalc.architectures import crowdtrain_param_count
+    from crowdtrain.model import DalleTransformer, get_preset
+
+    config = dataclasses.replace(get_preset("tiny"), **changes)
+    assert crowdtrain_param_count(config) == sum(p.numel() for p in DalleTransformer(config).parameters())
+    stored = json.loads(PRESETS_JSON.read_text())
+    for name in ("tiny", "demo", "paper"):
+        assert crowdtrain_param_count(get_preset(name)) == stored[name]["unique_params"]
+
+
 def test_options_move_memory_the_right_way():
     base = estimate("gpt2-large", batch_size=4)
     assert estimate("gpt2-large", batch_size=4, checkpointing=True).gpu.activations < base.gpu.activations / 5

@@ -174,8 +174,11 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
 
     @app.get("/api/join", summary="Everything a volunteer needs to join, as data (on an allowlist run, the "
                                   "swarm's addresses only with `Authorization: Bearer KEY`)")
-    def api_join(authorization: str | None = Header(None)) -> dict:
-        info = dict(join_info())
+    def api_join(authorization: str | None = Header(None)) -> dict | list:
+        info = join_info()
+        if not isinstance(info, dict):
+            return info  # a broken run.json: volunteers refuse it, with the reason
+        info = dict(info)
         # Files are fetched by URL: the coordinator's own paths are nobody else's business.
         if isinstance(info.get("text_tokenizer"), dict):
             info["text_tokenizer"] = {k: v for k, v in info["text_tokenizer"].items() if k != "path"}

@@ -259,6 +259,20 @@ def ours(name: str, counts: dict) -> Architecture:
         note="counted from DalleTransformer (presets.json)")
 
 
+def crowdtrain_param_count(config) -> int:
+    """Parameters ``DalleTransformer`` builds for a ``ModelConfig`` (any object with its fields),
+    from its layer shapes and without torch: a volunteer sizes a run's model before building it.
+    Tests check it against the model's own count. Shared layers (``share_ids``) count once."""
+    w, inner, hidden = config.width, config.heads * config.head_dim, config.ff_mult * config.width
+    base = (config.text_vocab_size + config.image_vocab_size + 1) * w + 2 * w  # tied embedding, final norm
+    if not config.rotary:
+        base += (config.text_len + config.image_height * config.image_width) * w  # learned positions
+    attention = w * 3 * inner + inner * w + w  # to_qkv (no bias), to_out
+    feed_forward = w * 2 * hidden + 2 * hidden + hidden * w + w  # GEGLU w_in, w_out
+    own = 4 * w + (2 * w if config.layer_scale else 0)  # two pre-norms (+ LayerScale vectors)
+    return base + len(set(config.share_ids)) * (attention + feed_forward) + len(config.share_ids) * own
+
+
 @lru_cache(maxsize=1)
 def _preset_counts() -> dict:
     if not PRESETS_JSON.exists():

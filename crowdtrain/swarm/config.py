@@ -33,6 +33,7 @@ inf are dropped whatever the rule. A sender whose parts were mostly dropped or (
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 MODES = ("sync", "diloco")
@@ -101,6 +102,22 @@ class SwarmConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))
+        # NaN passes every `x <= 0` check below, and inf is no setting: refuse both first.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0 (--swarm lr=0.003), got {self.lr}")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if not self.eps > 0 or not self.weight_decay >= 0 or not self.clip_grad_norm >= 0:
+            raise ValueError(f"eps must be > 0, weight_decay >= 0 and clip_grad_norm >= 0 (0: no clipping), got "
+                             f"{self.eps}, {self.weight_decay} and {self.clip_grad_norm}")
+        if not self.load_state_timeout_s > 0 or self.average_state_every < 1 or self.checkpoint_every_epochs < 1:
+            raise ValueError(f"load_state_timeout_s must be > 0, average_state_every and checkpoint_every_epochs "
+                             f">= 1, got {self.load_state_timeout_s}, {self.average_state_every} and "
+                             f"{self.checkpoint_every_epochs}")
         if not self.run_id or not self.run_id.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"--run-id must be letters, digits, '-' or '_', got {self.run_id!r}")
         if self.target_batch_size < 1:

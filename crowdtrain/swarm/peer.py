@@ -160,10 +160,9 @@ class _Stop:
 def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) -> dict:
     import hivemind
 
-    from crowdtrain.model.config import ModelConfig
     from crowdtrain.swarm import metrics as swarm_metrics
     from crowdtrain.swarm.attacks import attack_from_fault
-    from crowdtrain.swarm.config import SwarmConfig
+    from crowdtrain.swarm.join_info import check_join_info
     from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer, swarm_at_start
     from crowdtrain.train.local import autocast_context
     from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
@@ -172,8 +171,9 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         torch.set_num_threads(config.torch_threads)
     base = config.coordinator_url.rstrip("/")
     info = fetch_json(f"{base}/api/join", api_key=config.api_key)
-    swarm = SwarmConfig.from_dict(info["swarm"])
-    model_config = ModelConfig.from_dict({**info["task"]["model"], **config.model_overrides})
+    # All of it, before anything with threads starts (see crowdtrain.swarm.join_info).
+    checked = check_join_info(info, model_overrides=config.model_overrides, source=base)
+    swarm, model_config = checked.swarm, checked.model
     check_fingerprint(info, model_config)
     tokenizer = None
     if info.get("text_tokenizer"):
@@ -187,6 +187,10 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     stop_event = stop or threading.Event()
     validators, signer = swarm_metrics.make_validators(swarm.run_id)
     access = _Access(config, info, swarm.run_id)
+    if not info["initial_peers"]:
+        access.close()
+        raise ValueError(f"{base}/api/join lists no peer to join through" + (
+            " for this API key" if config.api_key else "") + ": the run may be restarting; try again in a minute")
     # The identity vouches for the key that signs this peer's metrics (the coordinator drops records without).
     endorsement = swarm_metrics.endorsement(access.key, swarm.run_id, signer) if access.key is not None else {}
     summary_extra = {}
@@ -195,24 +199,29 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         summary_extra["stopped_because"] = reason
         stop_event.set()
 
-    with children_ignore_sigint():
-        dht = hivemind.DHT(initial_peers=info["initial_peers"], client_mode=config.client_mode,
-                           host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True,
-                           **access.dht_kwargs())
-    peer_id = str(dht.peer_id)
-    access.start_keeper(dht, signer, on_denied=denied)
-    user = access.user or config.user
-    maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]
-    initial = info.get("initial_model")  # the run's seeded initial model, while it has not moved on
-    model = build_initial_model(task, int(initial["seed"])) if initial else task.build_model()
-    # Compared as built, on the CPU, before the optimizer's initializing step (as the coordinator does).
-    same_start = initial is not None and model_digest(model) == initial["digest"]
-    model = model.to(device)
-    with children_ignore_sigint():
-        optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
-                                    client_mode=config.client_mode, verbose=config.verbose,
-                                    access_guard=access.guard, attack=attack_from_fault(config.fault),
-                                    signer=signer, final_epoch=config.max_epochs)
+    threads_before, dht = set(threading.enumerate()), None
+    try:
+        with children_ignore_sigint():
+            dht = hivemind.DHT(initial_peers=info["initial_peers"], client_mode=config.client_mode,
+                               host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True,
+                               **access.dht_kwargs())
+        peer_id = str(dht.peer_id)
+        access.start_keeper(dht, signer, on_denied=denied)
+        user = access.user or config.user
+        maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]
+        initial = info.get("initial_model")  # the run's seeded initial model, while it has not moved on
+        model = build_initial_model(task, int(initial["seed"])) if initial else task.build_model()
+        # Compared as built, on the CPU, before the optimizer's initializing step (as the coordinator does).
+        same_start = initial is not None and model_digest(model) == initial["digest"]
+        model = model.to(device)
+        with children_ignore_sigint():
+            optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
+                                        client_mode=config.client_mode, verbose=config.verbose,
+                                        access_guard=access.guard, attack=attack_from_fault(config.fault),
+                                        signer=signer, final_epoch=config.max_epochs)
+    except BaseException:
+        _abandon_start_up(dht, access, threads_before)
+        raise
     if stop is None:
         # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
         # when they start (and never restore it), which would make Ctrl-C do nothing.
@@ -332,6 +341,20 @@ class _Access:
             with contextlib.suppress(OSError):
                 os.chmod(self.temporary_identity, 0o600)
                 os.unlink(self.temporary_identity)
+
+
+def _abandon_start_up(dht, access: "_Access", threads_before: set) -> None:
+    """Undo a start-up that failed half-way (e.g. the optimizer refused a setting): stop what
+    already runs, so the process can exit. A half-built hivemind optimizer is out of reach, but its
+    progress tracker's thread is not; left running, it kept the interpreter from exiting."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    for thread in set(threading.enumerate()) - threads_before:
+        if isinstance(thread, ProgressTracker):
+            _bounded(thread.shutdown, 10, "stopping the progress tracker")
+    access.close()
+    if dht is not None:
+        _bounded(dht.shutdown, 15, "stopping the DHT")
 
 
 def _bounded(fn, timeout_s: float, what: str) -> None:
