@@ -4,7 +4,7 @@ samples processed and wall time, for one process and for 3-peer swarms, on the d
 Arms (``--arms``), each on this machine, each for ``--minutes`` (schedules sized to that time):
 
 - ``solo``: one process, AdamW, batch 32, lr 3e-3 (``crowdtrain train``), two threads;
-- ``sync``: three peers in sync mode with the ``demo`` swarm preset (LAMB 8-bit, lr 0.01, a
+- ``sync``: three peers in sync mode with the ``demo`` swarm preset (LAMB 8-bit, lr 0.1, a
   256-sample global batch, delayed updates), the paper's way of training together;
 - ``diloco``: three peers in DiLoCo mode with the ``laptop`` preset (AdamW inner steps at lr 3e-3,
   the peers' models averaged every 768 samples): what ``crowdtrain demo`` runs.
@@ -54,6 +54,8 @@ FACTORS = {
     "f-shipped": ("lamb8bit", 256, 0.01, 5, 150),  # the shipped demo's sync settings
     "f-sized": ("lamb8bit", 256, 0.01, 5, None),  # ... with the schedule ending when the run does
     "f-lamb-b32": ("lamb8bit", 32, 0.01, 40, None),  # ... and 8x the updates (an 8x smaller global batch)
+    "f-lamb-lr0.03": ("lamb8bit", 256, 0.03, 5, None),  # f-sized at 3x and 10x LAMB's rate: the real LAMB
+    "f-lamb-lr0.1": ("lamb8bit", 256, 0.1, 5, None),  # moves each layer by about lr times its norm a step
     "f-adamw-b256": ("adamw", 256, 3e-3, 5, None),  # the demo's optimizer at the sync batch
     "f-adamw-b32": ("adamw", 32, 3e-3, 40, None),  # one process's best (= the solo arm, by samples)
     # The paper's model options on the demo model, against f-adamw-b32:
