@@ -168,9 +168,7 @@ class AuxPeer:
             "swarm": self.swarm.to_dict(),
             "task": self.spec["task"],
             "initial_peers": maddrs,
-            # Volunteers fetch it by URL; its path on this machine stays here.
-            "text_tokenizer": ({k: v for k, v in self.spec["text_tokenizer"].items() if k != "path"}
-                               if self.spec.get("text_tokenizer") else None),
+            "text_tokenizer": self.spec.get("text_tokenizer"),  # /api/join drops its local path
             "coordinator_peer_id": str(self.dht.peer_id),
             "auth": {k: self.auth[k] for k in ("mode", "coordinator_public_key", "token_url", "token_lifetime_s")},
         }
