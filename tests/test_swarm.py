@@ -162,8 +162,11 @@ def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
     swarm.wait_epoch(at_restart + 3, 240)
     assert swarm.status()["last_checkpoint_epoch"] > killed_at
 
-    # A peer that missed a round downloads the state and is back in step within a few rounds.
-    swarm.wait_in_step(["a", "b", "newcomer"], 120)
+    # A peer that missed a round downloads the state and is back in step within a few rounds. On
+    # a loaded 2-core machine a round that lost a member can hold its peers for up to an averaging
+    # timeout (30 s) while the others step on every 2-3 s, so a peer can sit several epochs behind
+    # until its next step downloads the state; the window allows a few such rounds in a row.
+    swarm.wait_in_step(["a", "b", "newcomer"], 240)
     codes = swarm.interrupt_all(["a", "b", "newcomer"])  # Ctrl-C: every peer leaves cleanly
     assert codes == {"a": 0, "b": 0, "newcomer": 0}, {n: swarm.log(n)[-2000:] for n in codes}
     summaries = {n: swarm.summary(n) for n in ("a", "b", "newcomer")}
