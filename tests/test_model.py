@@ -560,7 +560,7 @@ def test_samplers_default_to_one_filter_and_flags_choose_exactly_what_was_given(
     from crowdtrain.data.generate import Generator
 
     assert (DEFAULT_TOP_K is None) != (DEFAULT_TOP_P is None), "the paper: top-k 256 or top-p 0.75, not both"
-    assert (DEFAULT_TOP_K, DEFAULT_TOP_P) == (256, None)
+    assert (DEFAULT_TOP_K, DEFAULT_TOP_P) == (None, 0.75), "nucleus: independent of the vocabulary's size"
     defaults = lambda f: {k: v.default for k, v in inspect.signature(f).parameters.items()}
     for sampler in (generate_images, evaluate_generator, Generator.sample):
         d = defaults(sampler)
@@ -572,8 +572,8 @@ def test_samplers_default_to_one_filter_and_flags_choose_exactly_what_was_given(
     for command in (["generate", "--checkpoint", "c", "a red circle"], ["eval", "--checkpoint", "c"]):
         resolve = lambda *flags: data_cli._resolved_filters(parser.parse_args(command + list(flags)))
         assert resolve() == (DEFAULT_TOP_K, DEFAULT_TOP_P)
-        assert resolve("--top-p", "0.75") == (None, 0.75), "top-p alone replaces the default top-k"
-        assert resolve("--top-k", "64") == (64, None)
+        assert resolve("--top-p", "0.9") == (None, 0.9)
+        assert resolve("--top-k", "64") == (64, None), "top-k alone replaces the default nucleus"
         assert resolve("--top-k", "256", "--top-p", "0.75") == (256, 0.75), "both on request"
         assert resolve("--top-k", "0", "--top-p", "0.9") == (None, 0.9)
     with pytest.raises(ValueError, match="--top-p"):

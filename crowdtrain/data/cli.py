@@ -16,10 +16,11 @@ def _sampling_flags(p) -> None:
 
     default = f"top-k {DEFAULT_TOP_K}" if DEFAULT_TOP_K else f"top-p {DEFAULT_TOP_P}"
     p.add_argument("--top-k", type=int, default=None,
-                   help=f"keep the k most likely codes (0: no top-k); default when neither flag is given: {default}")
+                   help=f"keep the k most likely codes (0: no top-k; the paper: 256); given alone it replaces the "
+                        f"default filter; default when neither flag is given: {default}")
     p.add_argument("--top-p", type=float, default=None,
                    help="keep the smallest set of codes whose probability reaches p (the paper: 0.75); "
-                        "given alone it replaces the default top-k; with --top-k both apply, top-k first")
+                        "with --top-k both apply, top-k first")
 
 
 def _resolved_filters(args) -> tuple:

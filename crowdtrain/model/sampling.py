@@ -1,7 +1,7 @@
 """Autoregressive sampling of image codes with a KV cache, top-k / top-p and temperature.
 
 The paper found top-k 256 *or* top-p 0.75 improve quality over plain sampling: one filter at a
-time. The default is ``DEFAULT_TOP_K`` / ``DEFAULT_TOP_P`` (from ``crowdtrain.model.config``,
+time. The default (nucleus 0.75: it does not depend on the vocabulary's size) is ``DEFAULT_TOP_K`` / ``DEFAULT_TOP_P`` (from ``crowdtrain.model.config``,
 torch-free, so the CLI flags read the same values); ``sampling_filters`` turns optional user
 choices into the filters to apply. Filters look at the model's raw logits; the temperature then
 reshapes what survived (so temperature never changes which tokens the nucleus keeps). With the cache,
