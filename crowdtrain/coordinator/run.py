@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crowdtrain.coordinator.db import Store, default_url
+from crowdtrain.coordinator.ports import Port, check_ports, cmdline, parent_pid
 from crowdtrain.coordinator.tokens import CoordinatorKey
 from crowdtrain.model.config import get_preset
 from crowdtrain.swarm.config import SwarmConfig, demo_swarm_config, laptop_swarm_config
@@ -68,6 +69,9 @@ class CoordinatorConfig:
             raise ValueError(f"--swarm-preset must be one of {sorted(SWARM_PRESETS)}, got {self.swarm_preset!r}")
         if self.keep_checkpoints < 1:
             raise ValueError("--keep-checkpoints must be >= 1")
+        if self.port == self.dht_port:
+            raise ValueError(f"--port and --dht-port are both {self.port}: the HTTP service and the DHT peer need "
+                             "a port each")
         self.run_dir = self.run_dir or f"runs/{self.run_id}"
         self.identity = self.identity or str(Path(self.run_dir) / "identity.key")
         self.checkpoint_dir = self.checkpoint_dir or str(Path(self.run_dir) / "checkpoints")
@@ -163,27 +167,39 @@ def _aux_command(run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "crowdtrain.swarm.aux_peer", str(run_dir)]
 
 
-def _end_orphans_of_aux(run_dir: Path) -> None:
-    """What a killed auxiliary peer leaves running: its forked workers (DHT, averager; they share
-    its command line) and their p2p daemons. A daemon still holds the DHT port, and a new peer on
-    the same port would then get half of the connections; so they go before it starts."""
-    import os
-    import signal
-
+def _aux_processes(run_dir: Path) -> dict[int, int]:
+    """This run's auxiliary peer processes (its forked workers, DHT and averager, share its command
+    line) and their p2p daemons, alive now: pid -> parent pid."""
     command = _aux_command(run_dir)[1:]
     table = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        table[int(entry.name)] = (argv, ppid)
+        if entry.name.isdigit():
+            pid = int(entry.name)
+            table[pid] = (cmdline(pid), parent_pid(pid))
     workers = {pid for pid, (argv, _) in table.items() if argv[1:] == command}
-    daemons = {pid for pid, (_, ppid) in table.items() if ppid in workers}
-    for pid in sorted(workers | daemons):
+    return {pid: ppid for pid, (_, ppid) in table.items() if pid in workers or ppid in workers}
+
+
+def _leftover_aux(run_dir: Path) -> set[int]:
+    """The processes of this run's auxiliary peer if its coordinator is gone (it crashed or was
+    killed, or they are still exiting); they hold the DHT port until ended. Empty while the
+    coordinator that started them is alive: that run is live, not left over."""
+    procs = _aux_processes(run_dir)
+    for ppid in set(procs.values()) - set(procs):
+        argv = cmdline(ppid) if ppid else []
+        if "coordinator" in argv and any("crowdtrain" in a for a in argv):
+            return set()
+    return set(procs)
+
+
+def _end_orphans_of_aux(run_dir: Path) -> None:
+    """What a killed auxiliary peer leaves running: its forked workers and their p2p daemons. A
+    daemon still holds the DHT port, and a new peer on the same port would then get half of the
+    connections; so they go before it starts."""
+    import os
+    import signal
+
+    for pid in sorted(_aux_processes(run_dir)):
         logger.warning("ending pid %d, left over from a killed auxiliary peer", pid)
         try:
             os.kill(pid, signal.SIGKILL)
@@ -250,6 +266,11 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     from crowdtrain.coordinator.service import AuthSettings, create_app
 
     run_dir = Path(config.run_dir)
+    # Before the run folder, its keys and the DHT peer exist: a clash leaves no trace, and the run
+    # that holds the port is not touched.
+    check_ports([Port("HTTP port", config.host, config.port, "--port", "--host"),
+                 Port("DHT port", config.dht_host, config.dht_port, "--dht-port", "--dht-host")],
+                ignore_pids=_leftover_aux(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     store = Store(config.db)  # creates the tables before the auxiliary peer writes to them
     shards_dir = resolve_shards(config)
