@@ -92,3 +92,32 @@ def test_a_crashed_coordinator_restarts_on_its_ports_while_its_auxiliary_peer_st
     assert "ending the auxiliary peer left over" in swarm.log("coordinator")
     assert "refusing to start" not in swarm.log("coordinator")
     assert int((swarm.run_dir / "aux.pid").read_text()) != aux_pid
+
+
+def test_joining_a_port_where_no_coordinator_listens_says_so_on_the_first_line():
+    """A typo'd port used to give two minutes of 'coordinator not answering ... retrying' lines
+    before any hint. The first line must say it; the retries go on (the coordinator may be starting)."""
+    port = free_port()  # nobody listens here: connections are refused
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "crowdtrain.cli", "join", f"http://127.0.0.1:{port}",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines = []
+    try:
+        # Python and torch imports take a few seconds on a busy 2-core machine; the first retry's
+        # line comes 1 s after the first try, so seeing it means the first try is over.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any("retrying in" in line for line in lines):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        assert proc.poll() is None, "join should keep retrying, not give up:\n" + "".join(lines)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    ours = [line for line in lines if "crowdtrain" in line]
+    assert ours, "".join(lines)
+    assert f"no coordinator is listening at 127.0.0.1:{port}" in ours[0], "".join(lines)
+    assert "check the address" in ours[0], "".join(lines)
+    assert any("retrying in" in line for line in ours[1:]), "".join(lines)

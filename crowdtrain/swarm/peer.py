@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -67,12 +68,23 @@ class VolunteerConfig:
             logger.warning("--host is ignored in --client-mode: client peers accept no connections")
 
 
+def _refused(error: BaseException) -> bool:
+    """Connection refused: the host answered, and nothing listens on that port."""
+    return isinstance(getattr(error, "reason", error), ConnectionRefusedError)
+
+
 def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, api_key: str | None = None) -> dict:
     """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``.
-    ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its users)."""
+    ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its users).
+
+    A refused first connection is most often a wrong address (a typo'd port), so that is said at
+    once, before the retries that wait for a coordinator that is still starting."""
     deadline = time.monotonic() + patience_s
     delay, last = 1.0, None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    where = urllib.parse.urlsplit(url)
+    address = f"{where.hostname}:{where.port or (443 if where.scheme == 'https' else 80)}"
+    first = True
     while True:
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
@@ -83,9 +95,15 @@ def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, 
             last = e  # 503 while the run starts: retry
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
             last = e
+            if first and _refused(e):
+                logger.warning("no coordinator is listening at %s: check the address you gave `crowdtrain join` "
+                               "(host and port, as the organizer's join page shows it). Retrying for %.0f s in "
+                               "case it is still starting", address, patience_s)
+        first = False
         if time.monotonic() + delay > deadline:
-            raise ValueError(f"cannot reach the coordinator at {url} ({last}); check the address and that it is "
-                             "running")
+            hint = (f"nothing listens at {address}: check the address (host and port)" if _refused(last)
+                    else "check the address and that it is running")
+            raise ValueError(f"cannot reach the coordinator at {url} ({last}); {hint}")
         logger.warning("coordinator not answering (%s); retrying in %.0fs", last, delay)
         time.sleep(delay)
         delay = min(2 * delay, 10.0)
@@ -158,6 +176,10 @@ class _Stop:
 
 
 def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) -> dict:
+    base = config.coordinator_url.rstrip("/")
+    # First, before seconds of imports (hivemind, bitsandbytes): a wrong address is said at once.
+    info = fetch_json(f"{base}/api/join", api_key=config.api_key)
+
     import hivemind
 
     from crowdtrain.swarm import metrics as swarm_metrics
@@ -169,8 +191,6 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    base = config.coordinator_url.rstrip("/")
-    info = fetch_json(f"{base}/api/join", api_key=config.api_key)
     # All of it, before anything with threads starts (see crowdtrain.swarm.join_info).
     checked = check_join_info(info, model_overrides=config.model_overrides, source=base)
     swarm, model_config = checked.swarm, checked.model
