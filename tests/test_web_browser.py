@@ -168,3 +168,62 @@ def test_every_page_loads_from_the_nav_and_works_without_javascript(trained, bro
     assert page.locator("#history-table tbody tr").count() > 0 and not page.locator("#charts").is_visible()
     assert page.inner_text('[data-stat="epoch"]') != ""
     context.close()
+
+
+@pytest.fixture
+def starting_coordinator(tmp_path):
+    """The coordinator's app on a run that has not started yet, served by uvicorn in a thread:
+    the API docs need no training."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from crowdtrain.coordinator.db import Store
+    from crowdtrain.coordinator.service import AuthSettings, create_app
+    from tests.swarm_harness import free_port
+
+    store = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
+    port = free_port()
+    app = create_app(tmp_path / "run", store=store, public_url=f"http://127.0.0.1:{port}",
+                     auth=AuthSettings(key_path=tmp_path / "k.pem"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    store.close()
+
+
+def test_api_docs_render_with_every_request_outside_the_coordinator_blocked(starting_coordinator, browser):
+    """/docs on a network without the Internet: Swagger UI must come from the coordinator itself."""
+    from urllib.parse import urlsplit
+
+    context = browser.new_context()
+    page = context.new_page()
+    blocked, errors = [], []
+
+    def only_local(route):
+        if urlsplit(route.request.url).hostname == "127.0.0.1":
+            route.continue_()
+        else:
+            blocked.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_local)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{starting_coordinator}/docs")
+    # Swagger UI drew the operations from /openapi.json: one block per endpoint, /api/status among them.
+    status = page.locator(".opblock-summary-path[data-path='/api/status']")
+    status.wait_for(timeout=30_000)
+    assert page.locator(".opblock").count() >= 10
+    status.click()  # and it works: the operation opens with its "Try it out" button
+    page.locator(".opblock.is-open .try-out__btn").wait_for(timeout=10_000)
+    assert not blocked, f"/docs asked for files outside the coordinator: {blocked}"
+    assert not errors, errors
+    context.close()

@@ -403,3 +403,20 @@ def test_push_checkpoint_to_hub_builds_the_right_calls(tmp_path):
         push_checkpoint_to_hub(tmp_path, "me/run", api=FakeHfApi())
     with pytest.raises(ValueError, match="OWNER/NAME"):
         push_checkpoint_to_hub(ckpt, "no-owner", api=FakeHfApi())
+
+
+def test_api_docs_load_swagger_ui_from_the_coordinator_not_a_cdn(run):
+    """FastAPI's default /docs takes Swagger UI from a CDN: a blank page offline. (That it renders
+    in a browser with the outside blocked: tests/test_web_browser.py.)"""
+    client = run()
+    html = client.get("/docs").text
+    refs = re.findall(r'(?:src|href)="([^"]*)"', html)
+    assert len(refs) == 3 and all(r.startswith("/") and not r.startswith("//") for r in refs), refs
+    assert not re.search(r"https?://", html), html
+    for ref in refs:
+        response = client.get(ref)
+        assert response.status_code == 200 and len(response.content) > 1000, ref
+    assert "SwaggerUIBundle" in client.get("/docs/swagger-ui/swagger-ui-bundle.js").text
+    assert client.get("/docs/swagger-ui/index.html").status_code == 404  # the listed files only
+    assert client.get("/redoc").status_code == 404  # ReDoc would come from a CDN too
+    assert "/api/status" in client.get("/openapi.json").json()["paths"]

@@ -125,6 +125,7 @@ def run_status(run_dir: Path, store: Store) -> dict:
 def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | None = None,
                text_tokenizer: str | Path | None = None, auth: AuthSettings | None = None,
                public_url: str = "http://127.0.0.1:8000", checkpoint_dir: str | Path | None = None) -> FastAPI:
+    from crowdtrain.coordinator.api_docs import add_api_docs
     from crowdtrain.coordinator.pages import NAV, create_router as pages_router
     from crowdtrain.memcalc.web import create_router as memcalc_router
 
@@ -133,9 +134,12 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     auth = auth or AuthSettings(key_path=run_dir / "coordinator_key.pem")
     signing_key = CoordinatorKey.load_or_create(auth.key_path)
     limiter = RateLimiter(auth.requests_per_minute)
-    app = FastAPI(title="crowdtrain coordinator",
+    # /docs from files this process serves (crowdtrain.coordinator.api_docs): FastAPI's own loads
+    # them from a CDN, a blank page offline. No ReDoc, which would too.
+    app = FastAPI(title="crowdtrain coordinator", docs_url=None, redoc_url=None,
                   description="Join information, access tokens, live status, metrics, leaderboard, shards, "
                               "checkpoints and samples of one collaborative run.")
+    add_api_docs(app)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):
