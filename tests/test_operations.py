@@ -53,7 +53,8 @@ def test_a_second_coordinator_on_a_live_runs_ports_is_refused_at_once_and_leaves
 
     cases = {  # folder, HTTP port, DHT port, what the message must name
         "another run on both ports": (tmp_path / "second", live.port, live.dht_port,
-                                      [f"HTTP port {live.port}", "run 'test'", f"/api/join", f"DHT port {live.dht_port}"]),
+                                      [f"HTTP port {live.port}", "run 'test'", "/api/join",
+                                       f"DHT port {live.dht_port}"]),
         "the live run's own folder": (run_dir, live.port, live.dht_port, [f"HTTP port {live.port}", "run 'test'"]),
         # Only the DHT port: hivemind's daemon would share it (SO_REUSEPORT) and the start would succeed.
         "the DHT port alone": (tmp_path / "third", free_port(), live.dht_port,
@@ -75,6 +76,14 @@ def test_a_second_coordinator_on_a_live_runs_ports_is_refused_at_once_and_leaves
         assert live.status()["run_id"] == "test", case
         assert get_json(f"{live.url}/api/join")["run_id"] == "test", case
     assert live.procs["coordinator"].poll() is None, live.log("coordinator")[-3000:]
+
+
+def test_one_port_for_both_http_and_the_dht_is_refused_with_the_flags_to_change(tmp_path):
+    from crowdtrain.coordinator.run import CoordinatorConfig
+
+    with pytest.raises(ValueError, match="--port and --dht-port are both 8123"):
+        CoordinatorConfig(port=8123, dht_port=8123, run_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_crashed_coordinator_restarts_on_its_ports_while_its_auxiliary_peer_still_holds_the_dht_port(
