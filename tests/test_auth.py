@@ -173,3 +173,66 @@ def test_the_averaging_guard_admits_token_holders_and_refuses_the_rest(keys):
 
     asyncio.run(flood())
     assert dht.lookups == 1
+
+
+def test_a_token_keeper_retries_a_failed_renewal_with_backoff_and_keeps_its_token_meanwhile(keys):
+    """The coordinator down: the keeper keeps the token it has (still valid: peers honour it until
+    its expiry) and asks again after 5, 10, 20 ... s (at most a twentieth of the lifetime), not
+    after another quarter lifetime; once the coordinator answers it publishes the new token."""
+    from crowdtrain.swarm.auth import AccessDenied, TokenKeeper, refresh_margin_s, refresh_retry_max_s
+
+    _, coordinator, peer, _ = keys
+    public = peer.get_public_key().to_bytes()
+    lifetime = 600.0
+    down = {"failures": 3}
+    published = []
+
+    def source():
+        if down["failures"]:
+            down["failures"] -= 1
+            raise ConnectionError("[Errno 111] Connection refused")
+        return coordinator.issue("a", public, lifetime_s=lifetime)
+
+    class DHT:
+        def store(self, key, subkey, value, expiration_time, return_future):
+            published.append(value)
+
+    class Signer:
+        local_public_key = b"signer"
+
+    keeper = TokenKeeper(DHT(), "run", Signer(), source, lifetime_s=lifetime)
+    first = keeper.token = coordinator.issue("a", public, lifetime_s=lifetime)
+    assert keeper.renew_interval_s == lifetime - refresh_margin_s(lifetime) == 150.0, "renewed at a quarter"
+    assert [keeper.renew() for _ in range(3)] == [5.0, 10.0, 20.0]
+    assert keeper.token is first and published == [] and keeper.failures == 3
+    keeper.failures = 10
+    down["failures"] = 1
+    assert keeper.renew() == refresh_retry_max_s(lifetime) == 30.0, "the back-off is capped"
+    assert keeper.renew() == 150.0, "back: the next renewal a quarter lifetime later"
+    assert keeper.token is not first and keeper.failures == 0
+    assert published == [{k: keeper.token[k] for k in ("username", "public_key", "expiration_time", "signature")}]
+
+    def revoked():
+        raise AccessDenied("the coordinator refused an access token (403): revoked")
+
+    reasons = []
+    denied = TokenKeeper(DHT(), "run", Signer(), revoked, lifetime_s=lifetime, on_denied=reasons.append)
+    denied.token = first
+    assert denied.renew() is None and reasons and "revoked" in reasons[0], "a refusal stops the keeper"
+
+
+def test_peers_renew_early_enough_to_ride_out_an_outage_of_most_of_a_token_lifetime(keys):
+    """The documented rule: a token renewed on schedule has >= 3/4 of its lifetime left when an
+    outage begins, and the authorizer retries at most refresh_retry_max_s apart, so an outage of
+    0.7 x lifetime ends before the token it started with expires."""
+    from crowdtrain.swarm.auth import refresh_margin_s, refresh_retry_max_s
+
+    _, coordinator, peer, _ = keys
+    public = peer.get_public_key().to_bytes()
+    lifetime = 600.0
+    authorizer = SwarmAuthorizer(peer, coordinator.public_key, lambda: None,
+                                 refresh_margin_s=refresh_margin_s(lifetime), retry_max_s=refresh_retry_max_s(lifetime))
+    fresh = to_proto(coordinator.issue("a", public, lifetime_s=lifetime))
+    quarter_used = to_proto(coordinator.issue("a", public, lifetime_s=0.75 * lifetime - 1))
+    assert not authorizer.does_token_need_refreshing(fresh) and authorizer.does_token_need_refreshing(quarter_used)
+    assert 0.75 * lifetime - refresh_retry_max_s(lifetime) >= 0.7 * lifetime

@@ -243,3 +243,188 @@ def test_config_mismatch_is_a_clear_error(shards, text_tok):
                      batch_size=4, seed_key="p")
     with pytest.raises(FileNotFoundError):
         batch_stream("/no/such/folder/x/y/z", text_tokenizer=text_tok, model_config=CONFIG, batch_size=4, seed_key="p")
+
+
+# ---- riding out an outage of the data source --------------------------------------------------
+
+def test_transient_failures_are_told_from_broken_data():
+    import http.client
+    import io as _io
+
+    from crowdtrain.data.streaming import is_transient
+
+    def http_error(code):
+        return urllib.error.HTTPError("http://x/s.parquet", code, "x", {}, _io.BytesIO())
+
+    for error in (urllib.error.URLError(ConnectionRefusedError(111, "refused")), TimeoutError("timed out"),
+                  ConnectionResetError(), http.client.RemoteDisconnected("gone"), http.client.IncompleteRead(b""),
+                  http_error(500), http_error(502), http_error(503), http_error(408), http_error(429)):
+        assert is_transient(error), error
+    for error in (http_error(404), http_error(403), http_error(416), ValueError("missing column(s)"),
+                  pa.ArrowInvalid("Parquet magic bytes not found"), OSError("corrupt")):
+        assert not is_transient(error), error
+
+
+def _outage_stream(url, text_tok, **config):
+    settings = {"shuffle_buffer": 16, "http_timeout_s": 2.0, "retry_max_delay_s": 1.0, "outage_patience_s": 60.0,
+                **config}
+    return _stream(url, text_tok, config=StreamConfig(**settings))
+
+
+def test_a_source_that_goes_down_is_retried_while_rows_already_read_are_replayed(shards, text_tok):
+    """The coordinator restarting: its port refuses connections for a while, then serves again."""
+    good = Counter(codes_of(r["code"]) for r in shard_rows(shards))
+    server = serve_directory(shards)
+    port = server.port
+    stream = _outage_stream(server.url, text_tok)
+    for _ in range(5):  # one epoch: 40 rows, 2 shards
+        next(stream)
+    assert stream.stats.shards_read == 2 and stream.stats.retries == 0
+    server.close()  # connection refused from now on
+    server = None
+    try:
+        # Batches keep coming (the rows already read, replayed) while the shards are retried.
+        deadline = time.monotonic() + 30
+        served_while_down = []
+        while stream.stats.retries < 3:
+            assert time.monotonic() < deadline, stream.stats
+            served_while_down += [codes_of(x.numpy().astype("<i2").tobytes()) for x in next(stream)["image"]]
+        assert stream.stats.outages == 1 and stream.stats.replayed_rows > 0
+        assert served_while_down and set(served_while_down) <= set(good), "only rows of the real shards"
+        assert stream.stats.shards_failed == 0, "an outage is not bad data: no shard is skipped"
+        read_before = stream.stats.shards_read
+        server = serve_directory(shards, port=port)  # the coordinator is back, at the same address
+        while stream.stats.shards_read < read_before + 2:
+            assert time.monotonic() < deadline, stream.stats
+            next(stream)
+        assert stream.stats.shards_failed == 0 and stream.stats.outages == 1
+    finally:
+        if server is not None:
+            server.close()
+
+
+class _FlakyServer:
+    """Serves a shard folder (HEAD, GET with Range) but answers 503 to ``down_for`` requests first,
+    then serves normally; ``status`` overrides the answer for one file name."""
+
+    def __init__(self, folder, *, status: dict | None = None):
+        files = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix in (".parquet", ".json")}
+        self.refused, self.down_for = 0, 0
+        flaky = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, body: bool):
+                name = self.path.lstrip("/")
+                code = (status or {}).get(name)
+                if code is None and flaky.refused < flaky.down_for:
+                    flaky.refused += 1
+                    code = 503
+                if code is None and name not in files:
+                    code = 404
+                if code is not None:
+                    self.send_response(code)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = files[name]
+                rng = self.headers.get("Range")
+                if rng:
+                    a, b = rng.split("=")[1].split("-")
+                    data = data[int(a): int(b) + 1]
+                self.send_response(206 if rng else 200)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_HEAD(self):
+                self._answer(body=False)
+
+            def do_GET(self):
+                self._answer(body=True)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_source_answering_503_is_waited_for_and_then_every_row_arrives_once(shards, text_tok):
+    """Down from the first shard on (nothing to replay yet): the stream waits with back-off instead
+    of skipping the shards, then yields the epoch's rows exactly once."""
+    good = Counter(codes_of(r["code"]) for r in shard_rows(shards))
+    server = _FlakyServer(shards)
+    try:
+        stream = _outage_stream(server.url, text_tok)  # reads the manifest while the source is up
+        server.down_for = 5  # then shard fetches and manifest probes get 503 five times
+        images = [codes_of(x.numpy().astype("<i2").tobytes()) for _ in range(5) for x in next(stream)["image"]]
+        assert Counter(images) == good, "the whole first epoch, each row once"
+        assert server.refused == 5 and stream.stats.outages == 1 and stream.stats.retries >= 2
+        assert stream.stats.shards_failed == 0 and stream.stats.replayed_rows == 0, stream.stats
+    finally:
+        server.close()
+
+
+def test_a_source_down_longer_than_the_patience_ends_the_stream_with_a_clear_error(shards, text_tok):
+    server = _FlakyServer(shards)
+    try:
+        stream = _outage_stream(server.url, text_tok, outage_patience_s=3.0)
+        server.down_for = 10**9  # never comes back
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"has not answered for \d+ s .*outage_patience_s = 3 s.*"
+                                             r"--data-outage-patience-s"):
+            next(stream)
+        assert 3.0 <= time.monotonic() - t0 < 15, "gives up after the patience, not before and not much later"
+        assert stream.stats.retries >= 2 and stream.stats.shards_failed == 0
+    finally:
+        server.close()
+
+
+def test_broken_data_on_a_live_source_is_skipped_not_waited_for(shards, text_tok):
+    """A 404 (missing file) is about the data: skipped at once, no retry. A 500 on one file while
+    the manifest answers is that file's problem: one more try, then skipped for the epoch."""
+    folder = shards
+    manifest = json.loads((folder / "shards.json").read_text())
+    names = [s["file"] for s in manifest["splits"]["train"]]
+    good = Counter(codes_of(r["code"]) for r in shard_rows(shards))
+    for code, retries in ((404, 0), (500, 1)):
+        server = _FlakyServer(folder, status={names[0]: code})
+        try:
+            stream = _outage_stream(server.url, text_tok)
+            # 16 rows, all from the good shard (20 rows): the epoch is not over, the bad shard was tried once.
+            images = [codes_of(x.numpy().astype("<i2").tobytes()) for _ in range(2) for x in next(stream)["image"]]
+            assert set(images) <= set(good) and stream.stats.shards_failed == 1, (code, stream.stats)
+            assert stream.stats.retries == retries and stream.stats.outages == 0, (code, stream.stats)
+        finally:
+            server.close()
+
+
+def test_a_shard_cut_off_mid_read_resumes_after_the_rows_already_yielded(monkeypatch):
+    from crowdtrain.data.streaming import StreamStats, _Source
+
+    rows = [{"caption": f"row {i}", "code": b"\0\0", "original_width": None, "original_height": None,
+             "NSFW": "UNLIKELY"} for i in range(10)]
+    attempts = []
+
+    def read(self, shard):
+        attempts.append(shard)
+        for i, row in enumerate(rows):
+            if len(attempts) == 1 and i == 6:
+                raise ConnectionResetError("the server went away mid-read")
+            yield row
+
+    monkeypatch.setattr(_Source, "_read", read)
+    monkeypatch.setattr(_Source, "_source_answers", lambda self: True)  # it is back at once: no wait
+    source = _Source(StreamStats(), StreamConfig(), manifest_url="http://x/shards.json", seed=0)
+    assert [r["caption"] for r in source.rows("http://x/a.parquet")] == [r["caption"] for r in rows]
+    assert len(attempts) == 2 and source.stats.retries == 1 and source.stats.shards_failed == 0

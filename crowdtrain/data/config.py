@@ -41,12 +41,27 @@ class StreamConfig:
     """How a peer streams shards.
 
     ``shuffle_buffer``: rows held in memory for shuffling; if consecutive batches look alike
-    (loss oscillates with the shard boundaries), raise it. ``http_timeout_s``: a shard server
-    that does not answer within this is treated as a failed shard (skipped, counted), never a hang.
+    (loss oscillates with the shard boundaries), raise it. ``http_timeout_s``: one request to a
+    shard server waits at most this long, never a hang.
+
+    Riding out an outage of an http(s) source (the coordinator restarting, a network cut): a
+    shard fetch that fails transiently (connection refused or reset, timeout, HTTP 5xx/408/429)
+    while the source's manifest does not answer either is retried with back-off (1 s, doubling,
+    at most ``retry_max_delay_s``); meanwhile the peer trains on the last ``replay_rows`` rows it
+    read, so it keeps stepping and averaging. After ``outage_patience_s`` without an answer the
+    stream stops with an error naming the source. If volunteers leave during planned
+    maintenance, raise ``outage_patience_s`` (``crowdtrain join --data-outage-patience-s``); if a
+    peer's memory is tight, lower ``replay_rows`` (a row is about 2 bytes per image code plus its
+    caption: ~2 KB at the paper's 32x32 grid, so 20 MB for 10,000 rows). A shard that fails while
+    the source answers (corrupt, truncated, 4xx, or a 5xx on that file only) is skipped for the
+    epoch, logged once and counted, as before.
     """
 
     shuffle_buffer: int = 2048
     http_timeout_s: float = 30.0
+    outage_patience_s: float = 600.0
+    retry_max_delay_s: float = 30.0
+    replay_rows: int = 10_000
     min_caption_chars: int = 3  # the paper drops captions shorter than this
     max_aspect_ratio: float = 2.0  # ... and images more elongated than this
     safe_value: str = "UNLIKELY"  # LAION's NSFW column: only rows flagged UNLIKELY are kept
@@ -56,6 +71,12 @@ class StreamConfig:
             raise ValueError("shuffle_buffer must be >= 1 (1 disables shuffling within shards)")
         if self.http_timeout_s <= 0:
             raise ValueError("http_timeout_s must be positive")
+        if self.outage_patience_s < 0:
+            raise ValueError("outage_patience_s must be >= 0 (0: give up at the first failed retry)")
+        if self.retry_max_delay_s <= 0:
+            raise ValueError("retry_max_delay_s must be positive")
+        if self.replay_rows < 0:
+            raise ValueError("replay_rows must be >= 0 (0: stall instead of replaying rows during an outage)")
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,16 @@ and turns rows into model batches. The pipeline is a ``datasets.IterableDataset`
 ``load_dataset(..., streaming=True)`` returns), built with ``IterableDataset.from_generator``
 over the list of shard files, so ``datasets`` does the shard-order shuffle, the buffer shuffle,
 the per-epoch reshuffle (``set_epoch``) and the filtering. We read each shard ourselves inside
-the generator so that one bad shard is isolated: a corrupted or truncated file, or a server that
-stops answering within ``http_timeout_s``, is logged once as an error, counted in
+the generator so that one bad shard is isolated: a corrupted or truncated file, or one that
+fails while the rest of the source answers, is logged once as an error, counted in
 ``BatchStream.stats``, and skipped; the stream never crashes or hangs on it.
+
+An http(s) source that stops answering altogether (the coordinator restarting) is an outage, not
+bad data: the shard is retried with back-off and, meanwhile, the rows read last are replayed, so
+the peer keeps training; after ``StreamConfig.outage_patience_s`` the stream gives up with an
+error naming the source. A transient failure (connection refused or reset, timeout, HTTP
+5xx/408/429) counts as an outage only if the source's manifest does not answer either; see
+:class:`_Source`.
 
 Shuffle seeds come from the peer's identity through :func:`stable_seed` (SHA-256), never
 Python's ``hash()``, which is salted per process: a restarted peer gets the same order, two
@@ -19,13 +26,16 @@ and rows whose ``NSFW`` flag is not ``UNLIKELY`` are dropped.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import http.client
 import io
 import itertools
 import json
 import logging
 import re
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -95,55 +105,187 @@ def open_shard(path: str, *, timeout_s: float):
     return open(path, "rb")
 
 
+class DataSourceUnavailable(ValueError):
+    """An http(s) data source did not answer for longer than ``StreamConfig.outage_patience_s``."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """True for failures that say the server is unreachable or busy, not that the data is bad:
+    connection refused or reset, timeouts, a dropped connection mid-read, HTTP 5xx, 408, 429.
+    A 4xx (missing file, refused access) or a parquet error is about the data: not transient."""
+    if isinstance(error, urllib.error.HTTPError):
+        return error.code >= 500 or error.code in (408, 429)
+    return isinstance(error, (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException))
+
+
 @dataclass
 class StreamStats:
-    """What the stream has seen; ``bad_shards`` are (shard, error) pairs, each logged once."""
+    """What the stream has seen; ``bad_shards`` are (shard, error) pairs, each logged once.
+    ``retries``: shard fetches tried again after a transient failure; ``replayed_rows``: rows
+    served again from memory while the source was down; ``outages``: times it stopped answering."""
 
     rows_read: int = 0
     rows_kept: int = 0
     shards_read: int = 0
     bad_shards: list[tuple[str, str]] = field(default_factory=list)
+    retries: int = 0
+    replayed_rows: int = 0
+    outages: int = 0
 
     @property
     def shards_failed(self) -> int:
         return len(self.bad_shards)
 
 
-_STATS: dict[str, StreamStats] = {}  # by stream id: the generator below runs inside `datasets`
-_STATS_LOCK = threading.Lock()
+class _Source:
+    """Reads shards for one stream and decides what a failed read means.
+
+    A transient failure of an http(s) shard leads to a probe of the source's manifest (a HEAD
+    request). If the manifest answers, the source is up and the shard itself is failing: it is
+    read once more (the source may just have come back), then skipped for this epoch. If the
+    manifest does not answer, the source is down: the shard is retried after 1, 2, 4 ... s (at most
+    ``retry_max_delay_s``), resuming after its rows already yielded, and between retries the
+    reader yields rows from ``replay`` (the last ``replay_rows`` kept rows read) in a shuffled
+    order, paced by the trainer pulling them (the shuffle buffer pulls in bursts of half its
+    size, so a retry can come later than its back-off says); without rows to replay it sleeps.
+    The outage clock is the source's, not a shard's: ``datasets`` reads up to 10 shards at once,
+    in threads, and all of them wait out the same outage.
+    """
+
+    def __init__(self, stats: StreamStats, config: StreamConfig, *, manifest_url: str | None, seed: int):
+        self.stats, self.config, self.manifest_url, self.seed = stats, config, manifest_url, seed
+        self.replay: collections.deque = collections.deque(maxlen=config.replay_rows)
+        self._lock = threading.Lock()
+        self._down_since: float | None = None  # monotonic time the source was found down; None: it answers
+        self._replays = itertools.count()
+
+    def rows(self, shard: str) -> Iterator[dict]:
+        done = 0  # rows of this shard already yielded: a retry resumes after them
+        delay, retried_while_up = 1.0, False
+        while True:
+            try:
+                for row in itertools.islice(self._read(shard), done, None):
+                    done += 1
+                    if self.config.replay_rows and keep_row(row, self.config):
+                        with self._lock:
+                            self.replay.append(row)
+                    yield row
+                self.stats.shards_read += 1
+                self._mark_up()
+                return
+            except Exception as e:
+                if not (self.manifest_url and is_transient(e)):
+                    self._skip(shard, e)
+                    return
+                down_for = self._down_for(shard, e)
+                if down_for is None:  # the source answers
+                    if retried_while_up:  # ... but this shard keeps failing
+                        self._skip(shard, e)
+                        return
+                    retried_while_up = True
+                    self.stats.retries += 1
+                    continue
+                patience = self.config.outage_patience_s
+                if down_for >= patience:
+                    raise DataSourceUnavailable(
+                        f"the data source {self.manifest_url} has not answered for {down_for:.0f} s ({shard}: "
+                        f"{type(e).__name__}: {str(e)[:200]}); gave up after outage_patience_s = {patience:.0f} s. "
+                        "Check that the coordinator (or shard server) is running and reachable, then join again; "
+                        "to wait longer, raise --data-outage-patience-s") from e
+                wait = min(delay, patience - down_for)
+                self.stats.retries += 1
+                logger.info("data source still down after %.0f s: retry %d, of %s in %.0f s (%s rows replayed so "
+                            "far)", down_for, self.stats.retries, shard.rsplit("/", 1)[-1], wait,
+                            self.stats.replayed_rows)
+                yield from self._replay(until=time.monotonic() + wait)
+                delay = min(2 * delay, self.config.retry_max_delay_s)
+
+    def _down_for(self, shard: str, error: Exception) -> float | None:
+        """None if the source's manifest answers; else how long the source has been down."""
+        if self._source_answers():
+            self._mark_up()
+            return None
+        now = time.monotonic()
+        with self._lock:
+            first = self._down_since is None
+            if first:
+                self._down_since = now
+                self.stats.outages += 1
+            down_for = now - self._down_since
+        if first:
+            logger.warning("the data source %s does not answer (%s: %s: %s): retrying with back-off and training "
+                           "meanwhile on the %d rows already read; giving up after %.0f s without an answer",
+                           self.manifest_url, shard.rsplit("/", 1)[-1], type(error).__name__, str(error)[:120],
+                           len(self.replay), self.config.outage_patience_s)
+        return down_for
+
+    def _mark_up(self) -> None:
+        with self._lock:
+            down_since, self._down_since = self._down_since, None
+        if down_since is not None:
+            logger.warning("the data source %s answers again after %.0f s; streaming resumes (%d retries, %d rows "
+                           "replayed so far)", self.manifest_url, time.monotonic() - down_since, self.stats.retries,
+                           self.stats.replayed_rows)
+
+    def _read(self, shard: str) -> Iterator[dict]:
+        import pyarrow.parquet as pq
+
+        with open_shard(shard, timeout_s=self.config.http_timeout_s) as f:
+            pf = pq.ParquetFile(f)
+            names = pf.schema_arrow.names
+            missing = {"caption", "code"} - set(names)
+            if missing:
+                raise ValueError(f"missing column(s) {sorted(missing)}")
+            cols = [c for c in READ_COLUMNS if c in names]
+            for batch in pf.iter_batches(columns=cols, batch_size=512):
+                d = batch.to_pydict()
+                n = batch.num_rows
+                for c in READ_COLUMNS:
+                    d.setdefault(c, [None] * n)
+                self.stats.rows_read += n
+                for i in range(n):
+                    yield {c: d[c][i] for c in READ_COLUMNS}
+
+    def _source_answers(self) -> bool:
+        try:
+            request = urllib.request.Request(self.manifest_url, method="HEAD")
+            with urllib.request.urlopen(request, timeout=self.config.http_timeout_s):
+                return True
+        except Exception:
+            return False
+
+    def _replay(self, *, until: float) -> Iterator[dict]:
+        rng = np.random.default_rng((self.seed, next(self._replays)))
+        while time.monotonic() < until:
+            with self._lock:
+                rows = list(self.replay)
+            if not rows:
+                time.sleep(max(0.0, until - time.monotonic()))
+                return
+            for i in rng.permutation(len(rows)):
+                self.stats.replayed_rows += 1
+                yield rows[i]
+                if time.monotonic() >= until:
+                    return
+
+    def _skip(self, shard: str, e: Exception) -> None:
+        with self._lock:
+            seen = any(s == shard for s, _ in self.stats.bad_shards)
+            if not seen:
+                self.stats.bad_shards.append((shard, f"{type(e).__name__}: {e}"))
+        if not seen:
+            logger.error("skipping shard %s: %s: %s", shard, type(e).__name__, str(e)[:300])
+
+
+_STREAMS: dict[str, _Source] = {}  # by stream id: the generator below runs inside `datasets`
 _STREAM_IDS = itertools.count()
 
 
-def _shard_rows(shards: list[str], stream_id: str, timeout_s: float) -> Iterator[dict]:
+def _shard_rows(shards: list[str], stream_id: str) -> Iterator[dict]:
     """The rows of each shard in turn (the generator behind the IterableDataset)."""
-    import pyarrow.parquet as pq
-
-    stats = _STATS[stream_id]
+    source = _STREAMS[stream_id]
     for shard in shards:
-        try:
-            with open_shard(shard, timeout_s=timeout_s) as f:
-                pf = pq.ParquetFile(f)
-                names = pf.schema_arrow.names
-                missing = {"caption", "code"} - set(names)
-                if missing:
-                    raise ValueError(f"missing column(s) {sorted(missing)}")
-                cols = [c for c in READ_COLUMNS if c in names]
-                for batch in pf.iter_batches(columns=cols, batch_size=512):
-                    d = batch.to_pydict()
-                    n = batch.num_rows
-                    for c in READ_COLUMNS:
-                        d.setdefault(c, [None] * n)
-                    stats.rows_read += n
-                    for i in range(n):
-                        yield {c: d[c][i] for c in READ_COLUMNS}
-            stats.shards_read += 1
-        except Exception as e:  # corrupted / truncated parquet, network errors, timeouts
-            with _STATS_LOCK:
-                seen = any(s == shard for s, _ in stats.bad_shards)
-                if not seen:
-                    stats.bad_shards.append((shard, f"{type(e).__name__}: {e}"))
-            if not seen:
-                logger.error("skipping shard %s: %s: %s", shard, type(e).__name__, str(e)[:300])
+        yield from source.rows(shard)
 
 
 # ---- listing shards -----------------------------------------------------------------------
@@ -220,10 +362,12 @@ def open_stream(source, *, seed_key: str, split: str = "train", config: StreamCo
 
     shards = list_shards(source, split, timeout_s=config.http_timeout_s)
     stream_id = f"{seed_key}/{split}/{next(_STREAM_IDS)}"
-    stats = _STATS.setdefault(stream_id, StreamStats())
+    stats = StreamStats()
+    remote = str(source).startswith(("http://", "https://"))
+    manifest_url = (str(source).rstrip("/") + "/" + MANIFEST) if remote else None
+    _STREAMS[stream_id] = _Source(stats, config, manifest_url=manifest_url, seed=stable_seed(f"replay/{seed_key}"))
     ds = IterableDataset.from_generator(
-        _shard_rows, features=_features(),
-        gen_kwargs={"shards": shards, "stream_id": stream_id, "timeout_s": config.http_timeout_s})
+        _shard_rows, features=_features(), gen_kwargs={"shards": shards, "stream_id": stream_id})
     if config.shuffle_buffer > 1:
         ds = ds.shuffle(seed=stable_seed(seed_key), buffer_size=config.shuffle_buffer)
     ds = ds.filter(lambda row: keep_row(row, config))
@@ -233,8 +377,10 @@ def open_stream(source, *, seed_key: str, split: str = "train", config: StreamCo
 class BatchStream:
     """Infinite iterator of model batches ``{"text": (B, text_len), "image": (B, H*W)}`` (LongTensors).
 
-    Each pass over the shards is one epoch, reshuffled with ``set_epoch``. ``stats`` counts rows
-    and failed shards. Raises ValueError (never loops forever) when a whole epoch yields no row.
+    Each pass over the shards is one epoch, reshuffled with ``set_epoch``. ``stats`` counts rows,
+    failed shards and outage retries. Raises ValueError (never loops forever) when a whole epoch
+    yields no row, and :class:`DataSourceUnavailable` when an http(s) source stays down longer
+    than ``config.outage_patience_s``.
     """
 
     def __init__(self, source, *, text_tokenizer, model_config, batch_size: int, seed_key: str, split: str = "train",

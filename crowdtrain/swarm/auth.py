@@ -16,9 +16,27 @@ join its averaging groups and send it gradient parts. Here both are closed:
 * **Revocation.** Tokens are short-lived and refreshed by :class:`TokenKeeper`; a revoked user
   cannot refresh, and its peers are refused everywhere once the token expires.
 
-Tuning: ``token_lifetime_s`` (coordinator) trades revocation delay against refresh traffic; if
-peers log "refused: no valid access token" right after joining, the DHT has not yet spread
-their token record: it is retried on the next matchmaking attempt.
+**When the token service is down** (the coordinator restarting or unreachable), nobody can get
+a new token, and the rule stays the safe one: a token is honoured until its expiry time and not
+a second longer, by the DHT (:meth:`SwarmAuthorizer.is_token_valid`) and by the averagers
+(:class:`AccessGuard`); nothing extends a token or admits a peer without one, so an outage
+never lets in a revoked or unknown peer. To make outages harmless anyway, peers renew early and
+keep trying: a token is renewed once a quarter of its lifetime has passed (:func:`refresh_margin_s`),
+and a failed renewal is retried with back-off (5 s, doubling, at most
+:func:`refresh_retry_max_s`, a twentieth of the lifetime) while the current token stays in use.
+So every peer still holds a valid token when an outage begins, for at least 3/4 of the lifetime,
+and gets a fresh one within one back-off step of the coordinator's return:
+**a coordinator outage of up to 0.7 x token_lifetime_s (7 minutes at the default 600 s) goes
+unnoticed by the swarm.** In a longer one, tokens expire one by one; peers refuse those whose
+token ran out (each keeps training on its own, data permitting, and is admitted again, its
+state re-synced, as soon as the coordinator is back and its renewal succeeds).
+
+Tuning: ``token_lifetime_s`` (coordinator, ``--token-lifetime-s``) is both how long a revoked
+user's peers keep access and, times 0.7, the longest outage of the coordinator the swarm rides
+out intact: to survive maintenance of D minutes, set it to about D / 0.7 minutes. Renewals cost
+one signed HTTP request per peer per quarter lifetime. If peers log "refused: no valid access
+token" right after joining, the DHT has not yet spread their token record: it is retried on the
+next matchmaking attempt.
 """
 
 from __future__ import annotations
@@ -56,6 +74,18 @@ TOKEN_FIELDS = ("username", "public_key", "expiration_time", "signature")
 
 def auth_key(run_id: str) -> str:
     return f"{run_id}_auth"
+
+
+def refresh_margin_s(lifetime_s: float) -> float:
+    """Renew a token once it has less than this left: after a quarter of its lifetime (see the
+    module docstring for why: the longer a token has left when an outage begins, the longer
+    the swarm rides it out)."""
+    return 0.75 * lifetime_s
+
+
+def refresh_retry_max_s(lifetime_s: float) -> float:
+    """The longest wait between two tries to renew a token while the coordinator does not answer."""
+    return max(1.0, lifetime_s / 20)
 
 
 # ---- identities ------------------------------------------------------------------------------
@@ -144,16 +174,19 @@ class SwarmAuthorizer(TokenAuthorizerBase):
     hivemind asks for a new token before *every* signed DHT message once the current one is within
     ``refresh_margin_s`` of expiring. A refresh that fails (coordinator restarting, rate limit, key
     revoked) would then become one HTTP request per DHT message. Instead the still-valid token is
-    kept and the coordinator is asked again only after a backoff (1 s, doubling, at most a quarter
-    of the margin); a refusal (revoked key) is final for this process.
+    kept and the coordinator is asked again only after a backoff (1 s, doubling, at most
+    ``retry_max_s``, default a quarter of the margin); a refusal (revoked key) is final for this
+    process. Peers pass :func:`refresh_margin_s` and :func:`refresh_retry_max_s` of the run's lifetime.
     """
 
     def __init__(self, local_private_key: RSAPrivateKey, coordinator_public_key: bytes,
-                 token_source: Callable[[], dict], *, refresh_margin_s: float = 30.0):
+                 token_source: Callable[[], dict], *, refresh_margin_s: float = 30.0,
+                 retry_max_s: float | None = None):
         super().__init__(local_private_key)
         self.coordinator_public_key = coordinator_public_key
         self.token_source = token_source
         self.refresh_margin_s = refresh_margin_s
+        self.retry_max_s = max(1.0, refresh_margin_s / 4) if retry_max_s is None else retry_max_s
         self._coordinator = RSAPublicKey.from_bytes(coordinator_public_key)
         self._next_try, self._failures, self._denied = 0.0, 0, None
         self.requests = 0  # calls of token_source, for tests and diagnostics
@@ -172,7 +205,7 @@ class SwarmAuthorizer(TokenAuthorizerBase):
             self._denied = e
         except Exception as e:
             self._failures += 1
-            backoff = min(2.0 ** (self._failures - 1), max(1.0, self.refresh_margin_s / 4))
+            backoff = min(2.0 ** (self._failures - 1), self.retry_max_s)
             self._next_try = time.monotonic() + backoff
             logger.debug("token refresh failed (%s); next try in %.1fs", e, backoff)
             if not still_valid:
@@ -200,7 +233,10 @@ class SwarmAuthorizer(TokenAuthorizerBase):
 class TokenKeeper:
     """Keeps this peer's token fresh and published in the DHT, so averagers will talk to it.
 
-    ``on_denied`` is called (once) when the coordinator refuses a refresh: the user was revoked.
+    Renews after a quarter of the lifetime; a failed renewal (coordinator down) is retried after
+    5 s, doubling up to :func:`refresh_retry_max_s`, while the published token stays valid (see
+    the module docstring for what that buys). ``on_denied`` is called (once) when the coordinator
+    refuses a renewal: the user was revoked.
     """
 
     def __init__(self, dht, run_id: str, signer, token_source: Callable[[], dict], *, lifetime_s: float,
@@ -208,6 +244,7 @@ class TokenKeeper:
         self.dht, self.run_id, self.signer, self.token_source = dht, run_id, signer, token_source
         self.lifetime_s, self.on_denied = lifetime_s, on_denied
         self.token: dict | None = None
+        self.failures = 0  # renewals failed in a row
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="token-keeper", daemon=True)
 
@@ -225,20 +262,34 @@ class TokenKeeper:
                               expiration_time=float(self.token["expiration_time"]), return_future=True)
 
     def _loop(self) -> None:
-        # Refresh at a third of the lifetime: a missed refresh (coordinator restarting) is retried
-        # well before the token runs out.
-        while not self._stop.wait(max(1.0, self.lifetime_s / 3)):
-            try:
-                self.token = self.token_source()
-            except AccessDenied as e:
-                logger.error("%s", e)
-                if self.on_denied is not None:
-                    self.on_denied(str(e))
-                return
-            except Exception as e:  # coordinator unreachable for now: the old token is still valid
-                logger.warning("could not refresh the access token (%s); retrying", e)
-                continue
-            self.publish()
+        wait = self.renew_interval_s
+        while wait is not None and not self._stop.wait(wait):
+            wait = self.renew()
+
+    @property
+    def renew_interval_s(self) -> float:
+        return max(1.0, self.lifetime_s - refresh_margin_s(self.lifetime_s))
+
+    def renew(self) -> float | None:
+        """Ask for a new token and publish it; the seconds until the next try (None: revoked, stop)."""
+        try:
+            token = self.token_source()
+        except AccessDenied as e:
+            logger.error("%s", e)
+            if self.on_denied is not None:
+                self.on_denied(str(e))
+            return None
+        except Exception as e:  # coordinator unreachable for now: the current token is still valid
+            self.failures += 1
+            wait = min(5.0 * 2 ** (self.failures - 1), refresh_retry_max_s(self.lifetime_s))
+            left = float(self.token["expiration_time"]) - time.time()
+            logger.warning("could not renew the access token (%s); retrying in %.0f s. The current one is valid for "
+                           "%.0f s more%s", e, wait, max(0.0, left),
+                           "" if left > 0 else ": until a renewal succeeds, the other peers will refuse this one")
+            return wait
+        self.token, self.failures = token, 0
+        self.publish()
+        return self.renew_interval_s
 
     def stop(self) -> None:
         self._stop.set()

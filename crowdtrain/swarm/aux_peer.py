@@ -41,7 +41,8 @@ from crowdtrain.coordinator.tokens import CoordinatorKey
 from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 from crowdtrain.optim import param_groups
 from crowdtrain.swarm import metrics as swarm_metrics
-from crowdtrain.swarm.auth import AccessGuard, LocalTokenSource, SwarmAuthorizer, TokenKeeper, guarded, load_identity
+from crowdtrain.swarm.auth import (AccessGuard, LocalTokenSource, SwarmAuthorizer, TokenKeeper, guarded,
+                                   load_identity, refresh_margin_s, refresh_retry_max_s)
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, make_scheduler, unflatten_optimizer_state
@@ -84,8 +85,10 @@ class AuxPeer:
         self.token_source = LocalTokenSource(self.auth["key_path"], public_key=public_key, user="coordinator",
                                              lifetime_s=self.auth["token_lifetime_s"])
         coordinator_key = CoordinatorKey.load_or_create(self.auth["key_path"]).public_key
+        lifetime = self.auth["token_lifetime_s"]
         authorizer = SwarmAuthorizer(key, coordinator_key, self.token_source,
-                                     refresh_margin_s=self.auth["token_lifetime_s"] / 3)
+                                     refresh_margin_s=refresh_margin_s(lifetime),
+                                     retry_max_s=refresh_retry_max_s(lifetime))
         self.guard = AccessGuard(run_id=self.swarm.run_id, coordinator_public_key=coordinator_key)
         # After a restart, rejoin the swarm through the peers seen last time; alone otherwise.
         known = json.loads((run_dir / "known_peers.json").read_text()) if (run_dir / "known_peers.json").is_file() else {}

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
                    help="pad each step's computation (not its waiting for peers) to at least this many seconds "
                         "(emulates a slower device)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--data-outage-patience-s", type=float, default=600.0,
+                   help="how long the run's data source (the coordinator's shards) may stay unreachable before "
+                        "this peer gives up; meanwhile it retries with back-off and trains on rows already read")
     p.add_argument("--summary-file", default=None, help="write a JSON summary of this peer's run here")
     p.add_argument("--save-final", default=None, help="save the final parameters (safetensors) here")
     p.add_argument("--model", action="append", metavar="KEY=VALUE",
@@ -52,6 +55,7 @@ def _join(args) -> int:
         client_mode=args.client_mode, host=args.host, max_epochs=args.max_epochs, max_minutes=args.minutes,
         user=args.user, api_key=args.key or os.environ.get("CROWDTRAIN_KEY"), identity=args.identity,
         simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
+        data_outage_patience_s=args.data_outage_patience_s,
         summary_file=args.summary_file, save_final=args.save_final,
         model_overrides=parse_overrides(args.model, flag="--model"), fault=args.inject_fault, verbose=args.verbose)
     run_volunteer(config)

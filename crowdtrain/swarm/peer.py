@@ -49,6 +49,9 @@ class VolunteerConfig:
     # "attack=NAME" sends crafted tensors in every averaging round (crowdtrain.swarm.attacks).
     fault: str | None = None
     torch_threads: int | None = None
+    # How long the run's data source (the coordinator's shards) may stay unreachable before this
+    # peer gives up; meanwhile it retries and trains on rows already read (crowdtrain.data.config.StreamConfig).
+    data_outage_patience_s: float = 600.0
     verbose: bool = False
 
     def __post_init__(self):
@@ -57,6 +60,8 @@ class VolunteerConfig:
                              f"got {self.coordinator_url!r}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not self.data_outage_patience_s >= 0:
+            raise ValueError(f"--data-outage-patience-s must be >= 0 seconds, got {self.data_outage_patience_s}")
         from crowdtrain.coordinator.db import USER_NAME_RULE, valid_user_name
 
         if not valid_user_name(self.user) or self.user == "coordinator":  # the coordinator refuses it too
@@ -199,7 +204,10 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     if info.get("text_tokenizer"):
         tokenizer = download_asset(info["text_tokenizer"]["url"], info["text_tokenizer"]["sha256"],
                                    Path(config.cache_dir).expanduser())
-    task = DalleTask(model_config, data=info["task"]["data"], text_tokenizer=tokenizer)
+    from crowdtrain.data.config import StreamConfig
+
+    task = DalleTask(model_config, data=info["task"]["data"], text_tokenizer=tokenizer,
+                     stream_config=StreamConfig(outage_patience_s=config.data_outage_patience_s))
 
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -309,7 +317,7 @@ class _Access:
                 Path(self.identity_path).parent.mkdir(parents=True, exist_ok=True)
             return
         from crowdtrain.swarm.auth import (AccessDenied, AccessGuard, HttpTokenSource, SwarmAuthorizer,
-                                           identity_path_for, load_identity)
+                                           identity_path_for, load_identity, refresh_margin_s, refresh_retry_max_s)
 
         if self.auth["mode"] == "allowlist" and not config.api_key:
             raise ValueError("this run admits invited users only: ask its organizer for an API key "
@@ -337,7 +345,9 @@ class _Access:
         coordinator_key = self.auth["coordinator_public_key"].encode()
         lifetime = float(self.auth["token_lifetime_s"])
         self.lifetime = lifetime
-        self.authorizer = SwarmAuthorizer(key, coordinator_key, self.source, refresh_margin_s=lifetime / 3)
+        self.authorizer = SwarmAuthorizer(key, coordinator_key, self.source,
+                                          refresh_margin_s=refresh_margin_s(lifetime),
+                                          retry_max_s=refresh_retry_max_s(lifetime))
         self.guard = AccessGuard(run_id=run_id, coordinator_public_key=coordinator_key)
         self.run_id = run_id
 

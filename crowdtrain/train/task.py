@@ -75,10 +75,11 @@ class DalleTask(Task):
     name = "dalle"
 
     def __init__(self, model_config: ModelConfig, *, data: str | Path = "synthetic",
-                 text_tokenizer: str | Path | None = None):
+                 text_tokenizer: str | Path | None = None, stream_config=None):
         self.model_config = model_config
         self.data = str(data)
         self.text_tokenizer_path = None if text_tokenizer is None else str(text_tokenizer)
+        self.stream_config = stream_config  # a crowdtrain.data.config.StreamConfig; None: its defaults
 
     def build_model(self) -> DalleTransformer:
         return DalleTransformer(self.model_config)
@@ -90,8 +91,9 @@ class DalleTask(Task):
 
         tokenizer = (load_text_tokenizer(self.text_tokenizer_path) if self.text_tokenizer_path
                      else default_text_tokenizer())
+        extra = {} if self.stream_config is None else {"config": self.stream_config}
         return batch_stream(self.data, text_tokenizer=tokenizer, model_config=self.model_config,
-                            batch_size=batch_size, seed_key=seed_key)
+                            batch_size=batch_size, seed_key=seed_key, **extra)
 
     def _synthetic(self, batch_size: int, seed_key: str, *, learnable: bool) -> Iterator[Batch]:
         cfg = self.model_config
