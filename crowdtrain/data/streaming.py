@@ -290,16 +290,24 @@ def _shard_rows(shards: list[str], stream_id: str) -> Iterator[dict]:
 
 # ---- listing shards -----------------------------------------------------------------------
 
+def remote_manifest_url(source) -> str | None:
+    """The manifest's URL of an http(s) shard source; None for other sources."""
+    source = str(source)
+    if not source.startswith(("http://", "https://")):
+        return None
+    return source.rstrip("/") + "/" + MANIFEST
+
+
 def list_shards(source: str, split: str = "train", *, timeout_s: float = 30.0) -> list[str]:
     """The shard files of ``split`` in a local folder, under an http(s) base URL, or in a hub data set."""
     source = str(source)
-    if source.startswith(("http://", "https://")):
-        base = source if source.endswith("/") else source + "/"
+    if (url := remote_manifest_url(source)) is not None:
+        base = url.removesuffix(MANIFEST)
         try:
-            with urllib.request.urlopen(base + MANIFEST, timeout=timeout_s) as r:
+            with urllib.request.urlopen(url, timeout=timeout_s) as r:
                 manifest = json.loads(r.read())
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ValueError(f"cannot read {base + MANIFEST} ({e}); serve a shard folder made by "
+            raise ValueError(f"cannot read {url} ({e}); serve a shard folder made by "
                              "`crowdtrain data prepare` (it holds the manifest) with `crowdtrain data serve`") from e
         files = [s["file"] for s in manifest.get("splits", {}).get(split, [])]
         if not files:
@@ -363,9 +371,7 @@ def open_stream(source, *, seed_key: str, split: str = "train", config: StreamCo
     shards = list_shards(source, split, timeout_s=config.http_timeout_s)
     stream_id = f"{seed_key}/{split}/{next(_STREAM_IDS)}"
     stats = StreamStats()
-    remote = str(source).startswith(("http://", "https://"))
-    manifest_url = (str(source).rstrip("/") + "/" + MANIFEST) if remote else None
-    _STREAMS[stream_id] = _Source(stats, config, manifest_url=manifest_url, seed=stable_seed(f"replay/{seed_key}"))
+    _STREAMS[stream_id] = _Source(stats, config, manifest_url=remote_manifest_url(source), seed=stable_seed(f"replay/{seed_key}"))
     ds = IterableDataset.from_generator(
         _shard_rows, features=_features(), gen_kwargs={"shards": shards, "stream_id": stream_id})
     if config.shuffle_buffer > 1:
