@@ -59,21 +59,31 @@ def test_three_unequal_peers_train_one_model(swarm_factory):
     # Everyone contributed, the big batch most.
     assert all(s["samples"] > 0 for s in summaries.values())
     assert summaries["a"]["samples"] > summaries["c"]["samples"]
-    # Parameters agree, the loss went down. Random models differ by ~0.3 here; one optimizer
-    # update moves a weight by up to about the learning rate (0.1: AdamW on biases and norms,
-    # LAMB's 10% of a matrix's norm), so peers that stopped sharing would be several updates
-    # apart. Mostly they agree within compression error (fp16 on the wire for tiny tensors);
-    # when a round returned part of the average to every groupmate (a peer's part never arrived
-    # in time) each kept its own gradients there, and nobody holds a better state: an update or
-    # two apart (seen with two CPU hogs beside the test: 0.078 and, for the slow peer, 0.184).
-    # Before the fixes to downloads (LAMB scales zeroed by fp16, a state served mid-update) peers
-    # ended 0.15 to 1.7 apart at lr 0.01.
+    # Parameters agree, the loss went down. Random models differ by ~0.3 here, and so do peers
+    # whose gradient rounds never meet for three epochs (measured: 0.31-0.35 at most, 0.33-0.47 of
+    # the distance travelled). Peers whose every round had every live peer and returned the whole
+    # average hold the same parameters up to fp16 on the wire (measured: < 5e-4). A round that
+    # missed a peer, or returned part of the average (a groupmate's part never arrived in time),
+    # leaves the peers in it up to one update apart in some weights until a state download or the
+    # next state round; near the end there may be neither (a final partial round where every
+    # member got part of the average: nobody holds a better state). One optimizer update moves a
+    # weight by up to about the learning rate (0.1: AdamW on biases and norms, LAMB's 10% of a
+    # matrix's norm). A swarm that stopped averaging fails the shared-rounds check below.
     params = {n: load_file(str(swarm.tmp / f"{n}.safetensors")) for n in "abc"}
-    bound = 2.5 * swarm.swarm["lr"]
-    for key, ref in params["a"].items():
-        scale = max(1.0, ref.abs().max().item())
-        for other in "bc":
-            assert (params[other][key] - ref).abs().max().item() < bound * scale, (key, other)
+
+    def unclean(summary) -> int:
+        """Rounds without every peer or the whole average, and epochs with no round (caught up by download)."""
+        rounds = summary["rounds"]
+        skipped = summary["final_epoch"] - summary["joined_epoch"] - len({r["epoch"] for r in rounds})
+        return max(0, skipped) + sum(r["partial"] or r["left_out"] or r["group_size"] < r["swarm_peers"] for r in rounds)
+
+    for other in "bc":
+        missed = unclean(summaries["a"]) + unclean(summaries[other])
+        bound = 0.02 if missed == 0 else 2.5 * swarm.swarm["lr"] * missed
+        apart = max((params[other][k] - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+                    for k, ref in params["a"].items())
+        print(f"a and {other}: {missed} round(s) without every peer or the whole average; {apart:.4f} apart at most")
+        assert apart < bound, (other, missed, apart, [s["rounds"] for s in summaries.values()])
     start = initial_loss()
     assert eval_loss(swarm.tmp / "a.safetensors") < start - 0.15, (start, eval_loss(swarm.tmp / "a.safetensors"))
     # Peers averaged with others in most rounds. How many rounds had *every* live peer is
