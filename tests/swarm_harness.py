@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from crowdtrain.lifecycle import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,7 +46,7 @@ class Swarm:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "crowdtrain.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=self.env, start_new_session=True)
+                                env=self.env, start_new_session=True, preexec_fn=die_with_parent)
         self.procs[name] = proc
         return proc
 

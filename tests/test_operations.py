@@ -88,16 +88,18 @@ def test_one_port_for_both_http_and_the_dht_is_refused_with_the_flags_to_change(
 
 def test_a_crashed_coordinator_restarts_on_its_ports_while_its_auxiliary_peer_still_holds_the_dht_port(
         swarm_factory):
-    """The port check must not lock a run out of its own ports: a coordinator killed hard leaves
-    its auxiliary peer (and its p2p daemon on the DHT port) running, and the restart ends them."""
+    """The port check must not lock a run out of its own ports: an auxiliary peer that outlives its
+    coordinator (it is stopped or hung, so the SIGTERM its coordinator's death sends it does not
+    end it; or it is still leaving) holds the DHT port with its p2p daemon, and the restart ends it."""
     swarm = swarm_factory()
     first = swarm.start_coordinator()
     crashed = swarm.procs["coordinator"]
     aux_pid = int((swarm.run_dir / "aux.pid").read_text())
     try:
+        os.kill(aux_pid, signal.SIGSTOP)
         os.kill(crashed.pid, signal.SIGKILL)  # the coordinator alone, as a crash would
         crashed.wait(timeout=10)
-        assert Path(f"/proc/{aux_pid}").exists(), "the auxiliary peer should outlive its coordinator here"
+        assert Path(f"/proc/{aux_pid}").exists(), "the stopped auxiliary peer should outlive its coordinator"
         restarted = swarm.start_coordinator()
         assert restarted["coordinator_peer_id"] == first["coordinator_peer_id"]
         assert "ending the auxiliary peer left over" in swarm.log("coordinator")
@@ -139,3 +141,68 @@ def test_joining_a_port_where_no_coordinator_listens_says_so_on_the_first_line()
     assert f"no coordinator is listening at 127.0.0.1:{port}" in ours[0], "".join(lines)
     assert "check the address" in ours[0], "".join(lines)
     assert any("retrying in" in line for line in ours[1:]), "".join(lines)
+
+
+def _process_group(pgid: int) -> dict[int, str]:
+    """The live processes of a process group (a run's launcher starts each in its own): pid -> command."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except (OSError, ValueError):
+            continue
+    return members
+
+
+@pytest.mark.timeout(300)
+def test_every_process_of_a_run_ends_when_its_top_process_gets_a_signal(swarm_factory):
+    """`kill`, `systemctl stop`, a closed terminal or the OOM killer reach only a run's top process:
+    its auxiliary peer, hivemind's DHT and averager processes and their p2p daemons must end too."""
+    swarm = swarm_factory()
+    swarm.start_coordinator()
+    for name in ("hangup", "killed"):
+        swarm.join(name, batch_size=8, max_epochs=100_000)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and not all("| loss" in swarm.log(n) for n in ("hangup", "killed")):
+        time.sleep(1)
+    top = {name: swarm.procs[name].pid for name in ("coordinator", "hangup", "killed")}
+    before = {name: _process_group(pid) for name, pid in top.items()}
+    for name, members in before.items():  # each has children to lose: forks and a p2p daemon
+        assert len(members) >= 3 and any("p2pd" in c for c in members.values()), (name, members, swarm.log(name)[-2000:])
+    os.kill(top["hangup"], signal.SIGHUP)
+    os.kill(top["killed"], signal.SIGKILL)
+    os.kill(top["coordinator"], signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    left = before
+    while time.monotonic() < deadline and any(left.values()):
+        time.sleep(1)
+        left = {name: _process_group(pid) for name, pid in top.items()}
+    assert not any(left.values()), left
+    assert "leaving the swarm" in swarm.log("hangup"), swarm.log("hangup")[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_coordinator_ends_its_auxiliary_peer_on_sigint_sighup_and_its_own_sigkill(swarm_factory, tmp_path):
+    """The other ways a coordinator is stopped (Ctrl-C, a closed terminal, the OOM killer), three
+    runs at once; SIGTERM is in the test above."""
+    swarms = {sig: swarm_factory() for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGKILL)}
+    for sig, swarm in swarms.items():
+        swarm.tmp = tmp_path / sig.name
+        swarm.tmp.mkdir()
+        swarm.run_dir = swarm.tmp / "run"
+        swarm.start_coordinator()
+    top = {sig: swarm.procs["coordinator"].pid for sig, swarm in swarms.items()}
+    for sig, pid in top.items():
+        assert any("aux_peer" in c for c in _process_group(pid).values()), _process_group(pid)
+        os.kill(pid, sig)
+    deadline = time.monotonic() + 90
+    left = {sig.name: _process_group(pid) for sig, pid in top.items()}
+    while time.monotonic() < deadline and any(left.values()):
+        time.sleep(1)
+        left = {sig.name: _process_group(pid) for sig, pid in top.items()}
+    assert not any(left.values()), left

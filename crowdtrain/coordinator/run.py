@@ -23,6 +23,7 @@ from pathlib import Path
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.ports import Port, check_ports, cmdline, parent_pid
 from crowdtrain.coordinator.tokens import CoordinatorKey
+from crowdtrain.lifecycle import die_with_parent, exit_on_signals
 from crowdtrain.model.config import get_preset
 from crowdtrain.swarm.config import SwarmConfig, demo_swarm_config, laptop_swarm_config
 
@@ -141,8 +142,9 @@ def resolve_shards(config: CoordinatorConfig) -> Path | None:
 
 
 def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
-    """An auxiliary peer of this run still alive (its coordinator crashed or was killed) holds the
-    DHT port and identity; end it before starting a new one."""
+    """An auxiliary peer of this run still alive holds the DHT port and identity; end it before
+    starting a new one. It ends by itself within seconds of its coordinator's death (see
+    ``crowdtrain.lifecycle``), so this finds one that is still leaving, stopped or hung."""
     import os
     import signal
 
@@ -156,6 +158,7 @@ def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
         return  # the pid was reused by something else
     logger.warning("ending the auxiliary peer left over from a previous start (pid %d)", pid)
     os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGCONT)  # a stopped one (Ctrl-Z, a debugger) handles SIGTERM only once resumed
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
         time.sleep(0.2)
@@ -226,7 +229,10 @@ class AuxSupervisor:
 
     def _spawn(self) -> subprocess.Popen:
         self._started = time.monotonic()
-        return subprocess.Popen(_aux_command(self.run_dir), stdout=self.log, stderr=subprocess.STDOUT)
+        # Ends with the coordinator even if it is killed (the forking thread, main or this
+        # supervisor's, lives until stop()).
+        return subprocess.Popen(_aux_command(self.run_dir), stdout=self.log, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
 
     def watch(self) -> None:
         """Restart from now on (before, a failing start is the caller's to report)."""
@@ -266,6 +272,9 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     from crowdtrain.coordinator.service import AuthSettings, create_app
 
     run_dir = Path(config.run_dir)
+    # SIGTERM/SIGHUP unwind to the `finally` below, which ends the auxiliary peer; uvicorn takes
+    # SIGTERM over while it serves, shuts down, and raises it again once it returns.
+    exit_on_signals()
     # Before the run folder, its keys and the DHT peer exist: a clash leaves no trace, and the run
     # that holds the port is not touched.
     check_ports([Port("HTTP port", config.host, config.port, "--port", "--host"),

@@ -34,6 +34,7 @@ from hivemind.p2p import PeerID
 
 from crowdtrain.checkpoint import (checkpoint_name, latest_checkpoint, load_optimizer_state, prune_checkpoints,
                                    save_checkpoint)
+from crowdtrain.lifecycle import forks_die_with_this_process
 from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, ModelConfig
 from crowdtrain.model.info import architecture_fingerprint
 from crowdtrain.coordinator.db import Store
@@ -346,6 +347,7 @@ class AuxPeer:
         self.shutdown()
 
     def shutdown(self) -> None:
+        logger.info("stopping")
         self.keeper.stop()
         self.averager.shutdown()
         self.dht.shutdown()
@@ -357,14 +359,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the aux peer does no heavy compute; leave the cores to trainers
     run_dir = Path(argv[0])
     (run_dir / "aux.pid").write_text(str(os.getpid()))  # a restarted coordinator ends a leftover of ours
+    forks_die_with_this_process()  # the DHT and averager processes, even if this one is killed
     peer = AuxPeer(run_dir)
 
     def stop(*_):
         # Leave at the next loop turn; if a long call (a state download) blocks it, go anyway.
         peer.stop.set()
-        threading.Timer(20.0, lambda: os._exit(0)).start()
+        deadline = threading.Timer(20.0, lambda: os._exit(0))
+        deadline.daemon = True  # a clean stop exits at once, without waiting for it
+        deadline.start()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
     peer.run()
     return 0

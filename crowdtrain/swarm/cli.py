@@ -48,7 +48,10 @@ def _join(args) -> int:
     import os
 
     from crowdtrain.coordinator.cli import parse_overrides
+    from crowdtrain.lifecycle import forks_die_with_this_process
     from crowdtrain.swarm.peer import VolunteerConfig, run_volunteer
+
+    forks_die_with_this_process()  # hivemind's DHT and averager processes end with this one
 
     config = VolunteerConfig(
         coordinator_url=args.url, batch_size=args.batch_size, device=args.device, precision=args.precision,

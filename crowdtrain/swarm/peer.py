@@ -155,12 +155,12 @@ def children_ignore_sigint():
 
 
 class _Stop:
-    """Set by SIGINT/SIGTERM: the loop finishes its step and leaves cleanly."""
+    """Set by SIGINT/SIGTERM/SIGHUP: the loop finishes its step and leaves cleanly."""
 
     def __init__(self, event: threading.Event):
         self.event = event
         self.owner = os.getpid()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
                 signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (tests call run_volunteer in a thread)

@@ -21,7 +21,6 @@ names carry the owner's pid (``ctb<pid>-...``), so only those whose owner is gon
 from __future__ import annotations
 
 import atexit
-import ctypes
 import itertools
 import logging
 import os
@@ -33,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from crowdtrain.lifecycle import die_with_parent, raise_system_exit
 from crowdtrain.testbed.links import LinkSpec, tbf_args
 
 logger = logging.getLogger(__name__)
@@ -72,12 +72,6 @@ class Node:
         return f"v-{self.name}"  # the hub-side veth; interface names are per namespace
 
 
-def _set_pdeathsig() -> None:
-    """In a child before exec: get SIGTERM when the testbed process dies (survives exec)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Testbed:
     """``with Testbed({"coord": link, "p1": link, ...}) as tb: tb.spawn("p1", [...])``."""
 
@@ -115,7 +109,7 @@ class Testbed:
         sweep_stale()
         atexit.register(self.down)
         for sig in (signal.SIGTERM, signal.SIGHUP):  # turn them into exceptions so `finally` tears down
-            self._old_handlers[sig] = signal.signal(sig, _raise_system_exit)
+            self._old_handlers[sig] = signal.signal(sig, raise_system_exit)
         try:
             self._make_namespace(self.hub)
             sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
@@ -179,7 +173,7 @@ class Testbed:
         """Start ``argv`` inside ``node``'s namespace, in its own process group."""
         out = open(log, "ab") if log is not None else stdout
         proc = subprocess.Popen(self.exec_argv(node, argv), stdout=out, stderr=subprocess.STDOUT if log else None,
-                                env=env, start_new_session=True, preexec_fn=_set_pdeathsig)
+                                env=env, start_new_session=True, preexec_fn=die_with_parent)
         if log is not None:
             out.close()  # the child holds its own descriptor
         self.procs.append(proc)
@@ -187,10 +181,6 @@ class Testbed:
 
     def run(self, node: str, argv: list[str], *, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run(self.exec_argv(node, argv), capture_output=True, text=True, timeout=timeout)
-
-
-def _raise_system_exit(signum, frame):
-    raise SystemExit(128 + signum)
 
 
 def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> int | None:

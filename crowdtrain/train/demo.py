@@ -20,6 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from crowdtrain.lifecycle import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 # (batch size, simulated seconds per step): a fast peer, a medium one, a slow device.
@@ -44,8 +46,10 @@ def _get(url: str, timeout: float = 5.0):
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # Its own session (Ctrl-C reaches the demo alone, which stops each cleanly), and it ends with
+    # the demo however the demo ends (a second Ctrl-C, a kill).
     return subprocess.Popen([sys.executable, "-m", "crowdtrain.cli", *args], stdout=open(log_path, "ab"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
 
 def _stop(proc: subprocess.Popen, sig: int, timeout: float) -> None:
