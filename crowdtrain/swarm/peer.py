@@ -191,6 +191,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     from crowdtrain.swarm.attacks import attack_from_fault
     from crowdtrain.swarm.join_info import check_join_info
     from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer, swarm_at_start
+    from crowdtrain.swarm.reconnect import BootstrapWatch
     from crowdtrain.train.local import autocast_context
     from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
 
@@ -235,6 +236,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
                                **access.dht_kwargs())
         peer_id = str(dht.peer_id)
         access.start_keeper(dht, signer, on_denied=denied)
+        bootstrap_watch = BootstrapWatch(dht, info["initial_peers"])
+        bootstrap_watch.start()
         user = access.user or config.user
         maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]
         initial = info.get("initial_model")  # the run's seeded initial model, while it has not moved on
@@ -287,6 +290,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         # after Ctrl-C in a terminal the p2p daemon has already exited and cannot answer.
         _bounded(optimizer.finish_pending_updates, 60, "the last optimizer step")
         summary.update(summary_extra)
+        summary["bootstrap_reconnects"] = bootstrap_watch.reconnects
         summary["rounds"] = list(optimizer.rounds)
         summary["averaging"] = optimizer.averaging_stats()
         summary["final_epoch"] = optimizer.local_epoch
@@ -297,6 +301,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         if config.summary_file:
             Path(config.summary_file).write_text(json.dumps(summary, indent=2))
         access.close()
+        bootstrap_watch.stop.set()
         _bounded(optimizer.shutdown, 30, "leaving the averaging groups")
         _bounded(dht.shutdown, 15, "stopping the DHT")
     return summary
