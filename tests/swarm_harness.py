@@ -144,3 +144,14 @@ class Swarm:
                         os.killpg(proc.pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+
+
+# Lines no run should print: third-party noise a user cannot act on (crowdtrain/noise.py) and
+# warnings about crowdtrain's own settings.
+NOISE_LINES = ("Failed to load CPU gemm_4bit_forward", "Another look_for_group is already in progress",
+               "request_timeout smaller than min_matchmaking_time", "Detected call of `lr_scheduler.step()`",
+               "Task was destroyed but it is pending")
+
+
+def noise_in(text: str) -> list[str]:
+    return [line for line in text.splitlines() if any(n in line for n in NOISE_LINES)]

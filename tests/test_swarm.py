@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
+from tests.swarm_harness import noise_in
 
 
 def eval_loss(path) -> float:
@@ -130,6 +131,16 @@ def test_two_peers_learn_what_one_peer_learns_with_the_same_global_batch(swarm_f
     for name in ("p1", "p2"):
         assert pair.wait_exit(name, 300) == 0, pair.log(name)[-3000:]
     pair_loss = eval_loss(pair.tmp / "p1.safetensors")
+    # The logs say what happened and nothing a user cannot act on: a line per epoch or per 5 s,
+    # not per step; a last line with what the peer contributed.
+    for name in ("p1", "p2"):
+        log = pair.log(name)
+        assert not noise_in(log), noise_in(log)
+        summary = pair.summary(name)
+        assert log.count("| loss") <= summary["final_epoch"] + summary["seconds"] / 5 + 2, log[-3000:]
+        assert summary["steps"] > 2 * (summary["final_epoch"] + summary["seconds"] / 5 + 2), summary["steps"]
+        assert f"contributed {summary['samples']} samples in {summary['steps']} steps" in log, log[-2000:]
+    assert not noise_in((pair.run_dir / "aux.log").read_text()), noise_in((pair.run_dir / "aux.log").read_text())
     start = initial_loss()
     solo_gain, pair_gain = start - solo_loss, start - pair_loss
     print(f"loss from {start:.3f}: solo {solo_loss:.3f}, pair {pair_loss:.3f}; pair/solo gain {pair_gain / solo_gain:.2f}")

@@ -115,6 +115,7 @@ class AuxPeer:
                 optimizer=partial(make_lamb, config=self.swarm), scheduler=partial(make_scheduler, config=self.swarm),
                 params=param_groups(self.model, self.swarm.weight_decay), compression=compression,
                 state_compression=compression, min_matchmaking_time=self.swarm.matchmaking_time_s,
+                request_timeout=self.swarm.request_timeout_s,  # below the matchmaking time, as hivemind asks
                 allow_state_sharing=True, start=True)
         self.last_checkpoint_epoch = self._resume()
         self.seen: dict[str, float] = {}

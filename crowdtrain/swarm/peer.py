@@ -191,6 +191,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     from crowdtrain.swarm.attacks import attack_from_fault
     from crowdtrain.swarm.join_info import check_join_info
     from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer, swarm_at_start
+    from crowdtrain.noise import drop_exit_noise
     from crowdtrain.swarm.reconnect import BootstrapWatch
     from crowdtrain.train.local import autocast_context
     from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
@@ -285,6 +286,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         summary_extra["stopped_because"] = reason
         raise ValueError(reason) from e
     finally:
+        drop_exit_noise()
         # Finish the delayed optimizer step (local work), so what is saved is the state the swarm
         # agreed on, not one step behind; then say goodbye over the network, with a deadline:
         # after Ctrl-C in a terminal the p2p daemon has already exited and cannot answer.
@@ -454,12 +456,14 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
         now = time.perf_counter()
         rate = contributed / max(now - start, 1e-9)
         last_round = optimizer.last_round() or {"group_size": 0, "swarm_peers": 0}
-        logger.info("epoch %d | loss %.4f | %.1f samples/s | contributed %d | peers in last round %d/%d",
-                    optimizer.local_epoch, losses[-1], rate, contributed, last_round["group_size"],
-                    last_round["swarm_peers"])
+        # One line (and one metrics record) per new epoch or every 5 s, not per step: a small
+        # model steps several times a second.
         if optimizer.local_epoch != epoch_seen or now - last_report > 5:
             window = losses[-20:]
             mean_loss = sum(window) / len(window)
+            logger.info("epoch %d | loss %.4f | %.1f samples/s | contributed %d | peers in last round %d/%d",
+                        optimizer.local_epoch, mean_loss, rate, contributed, last_round["group_size"],
+                        last_round["swarm_peers"])
             if optimizer.local_epoch != epoch_seen:
                 summary["epochs"].append({"epoch": optimizer.local_epoch, "loss": mean_loss, "samples": contributed,
                                           "time": now - start, "unix": time.time(), "compute_s": computed,
@@ -471,6 +475,10 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
                 swarm_peers=int(last_round["swarm_peers"]), fingerprint=summary["fingerprint"],
                 user=summary["user"], maddrs=summary["maddrs"], **endorsement))
             epoch_seen, last_report = optimizer.local_epoch, now
+    window = losses[-20:]
+    logger.info("left at epoch %d: contributed %d samples in %d steps over %.1f min (%d batches dropped)%s",
+                optimizer.local_epoch, contributed, steps, (time.perf_counter() - start) / 60, dropped,
+                f"; loss {sum(window) / len(window):.4f}" if window else "")
     summary.update(samples=contributed, steps=steps, seconds=time.perf_counter() - start, wait_s=waited,
                    compute_s=computed, over_budget_steps=over_budget, end_unix=time.time(),
                    dropped_batches=dropped,
