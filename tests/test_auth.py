@@ -1,6 +1,7 @@
 """Access tokens, peer identities, and the guard in front of the averagers (no processes)."""
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -236,3 +237,39 @@ def test_peers_renew_early_enough_to_ride_out_an_outage_of_most_of_a_token_lifet
     quarter_used = to_proto(coordinator.issue("a", public, lifetime_s=0.75 * lifetime - 1))
     assert not authorizer.does_token_need_refreshing(fresh) and authorizer.does_token_need_refreshing(quarter_used)
     assert 0.75 * lifetime - refresh_retry_max_s(lifetime) >= 0.7 * lifetime
+
+
+@pytest.mark.parametrize("code,final", [(422, True), (400, True), (403, True), (429, False), (503, False)])
+def test_a_token_request_the_coordinator_rejects_is_final_and_busy_answers_are_retried(keys, code, final):
+    """A 4xx other than 408/429 answers the request itself: sending it again for two minutes (as
+    join did for a 422) only delays the error. 429 and 5xx are a busy or restarting coordinator."""
+    import http.server
+    import threading
+
+    from crowdtrain.swarm.auth import AccessDenied, HttpTokenSource, TokenRequestRejected
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"detail": "public_key: not an RSA key"}).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        source = HttpTokenSource(f"http://127.0.0.1:{server.server_port}/api/token", private_key=keys[2],
+                                 api_key=None, user="alice")
+        expected = AccessDenied if final else ConnectionError
+        with pytest.raises(expected, match=str(code)) as raised:
+            source()
+        if code in (400, 422):
+            assert isinstance(raised.value, TokenRequestRejected) and "not an RSA key" in str(raised.value)
+    finally:
+        server.shutdown()

@@ -116,6 +116,11 @@ class AccessDenied(RuntimeError):
     """The coordinator refused this peer a token (unknown or revoked key, allowlist run)."""
 
 
+class TokenRequestRejected(AccessDenied):
+    """The coordinator could not accept the token request itself (4xx other than 401/403, 408 and
+    429: a malformed or unexpected request). Asking again sends the same request: final."""
+
+
 class HttpTokenSource:
     """Asks the coordinator for a token: ``POST /api/token``, signed by this peer's key (the proof
     that it holds the key), with the API key in allowlist runs."""
@@ -143,7 +148,9 @@ class HttpTokenSource:
                 pass
             if e.code in (401, 403):
                 raise AccessDenied(f"the coordinator refused an access token ({e.code}): {detail}") from e
-            raise ConnectionError(f"token request failed ({e.code}): {detail}") from e
+            if 400 <= e.code < 500 and e.code not in (408, 429):
+                raise TokenRequestRejected(f"the coordinator rejected the token request ({e.code}): {detail}") from e
+            raise ConnectionError(f"token request failed ({e.code}): {detail}") from e  # 408, 429, 5xx: retry
 
 
 class LocalTokenSource:

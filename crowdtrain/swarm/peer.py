@@ -324,7 +324,8 @@ class _Access:
                 Path(self.identity_path).parent.mkdir(parents=True, exist_ok=True)
             return
         from crowdtrain.swarm.auth import (AccessDenied, AccessGuard, HttpTokenSource, SwarmAuthorizer,
-                                           identity_path_for, load_identity, refresh_margin_s, refresh_retry_max_s)
+                                           TokenRequestRejected, identity_path_for, load_identity, refresh_margin_s,
+                                           refresh_retry_max_s)
 
         if self.auth["mode"] == "allowlist" and not config.api_key:
             raise ValueError("this run admits invited users only: ask its organizer for an API key "
@@ -341,6 +342,9 @@ class _Access:
             try:
                 self.token = self.source()
                 break
+            except TokenRequestRejected as e:
+                raise ValueError(f"{e}. This crowdtrain may not match the coordinator's: install the version "
+                                 "the organizer runs") from e
             except AccessDenied as e:
                 raise ValueError(f"{e}. Check --key (or ask the organizer for a new key)") from e
             except (ConnectionError, OSError) as e:  # coordinator restarting or overloaded: retry
