@@ -182,3 +182,23 @@ def test_an_allowlist_run_gives_peer_addresses_only_to_its_users(tmp_path):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_guessing_api_keys_at_the_join_endpoint_is_rate_limited_like_token_requests(tmp_path):
+    """On an allowlist run /api/join answers a valid key with the swarm's addresses and a wrong
+    one without: an oracle for key guesses, so wrong keys spend the address's budget."""
+    info = {**run_json(tmp_path), "auth": {"mode": "allowlist"}}
+    client, store = make_app(tmp_path, mode="allowlist", run_json=info)
+    status_json(tmp_path / "run")
+    key = store.add_user("alice")
+    budget = AuthSettings(mode="allowlist", key_path=tmp_path / "k.pem").requests_per_minute
+    answers = [client.get("/api/join", headers={"Authorization": f"Bearer ct_guess{i}"}).status_code
+               for i in range(budget + 1)]
+    assert answers[:budget] == [200] * budget and answers[-1] == 429, answers
+    # The guesser's address is spent, the invited volunteer's key is not; asking without a key
+    # (the join page) is not a guess.
+    assert client.get("/api/join", headers={"Authorization": f"Bearer {key}"}).json()["initial_peers"] == \
+        [BOOTSTRAP_MADDR]
+    assert client.get("/api/join").status_code == 200
+    assert client.post("/api/token", json=signed(tmp_path, "alice"),
+                       headers={"Authorization": "Bearer ct_another_guess"}).status_code == 429

@@ -178,7 +178,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
 
     @app.get("/api/join", summary="Everything a volunteer needs to join, as data (on an allowlist run, the "
                                   "swarm's addresses only with `Authorization: Bearer KEY`)")
-    def api_join(authorization: str | None = Header(None)) -> dict | list:
+    def api_join(request: Request, authorization: str | None = Header(None)) -> dict | list:
         info = join_info()
         if not isinstance(info, dict):
             return info  # a broken run.json: volunteers refuse it, with the reason
@@ -190,6 +190,14 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
             scheme, _, api_key = (authorization or "").partition(" ")
             if scheme.lower() != "bearer" or not api_key or store.user_for_key(api_key) is None:
                 info["initial_peers"] = []  # an invited volunteer asks with their key
+                if api_key:
+                    # The answer tells a valid key from a wrong one: guesses spend the address's
+                    # budget of token requests, as they would at /api/token.
+                    client = request.client.host if request.client else "unknown"
+                    if not limiter.allow(f"address:{client}"):
+                        store.bump("token_requests_rate_limited")
+                        raise HTTPException(429, f"too many requests with unknown API keys from {client}; "
+                                                 "wait a minute and retry")
         return info
 
     @app.post("/api/token", summary="An access token for this peer's key (send `Authorization: Bearer KEY` "
