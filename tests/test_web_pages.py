@@ -209,6 +209,34 @@ def test_dashboard_history_is_averaged_down_for_long_runs():
     assert pages.downsample(points[:10], 1500) == points[:10]
 
 
+def test_downtime_is_a_gap_in_the_charts_and_no_time_to_the_end_is_given_while_nobody_trains(run):
+    """A stopped coordinator records no points: the charts must not draw a line across the silence
+    (throughput sloping down over minutes when nothing ran), neither on the page nor in the
+    incremental history the page polls; and with no peer training there is no time to the end."""
+    client = run()
+    store, now = run.store, time.time()
+    last = store.swarm_history()[-1]["time"]
+    # The coordinator comes back 20 minutes later, with nobody training yet.
+    for i in range(3):
+        store.record_swarm_point(epoch=11, loss=None, active_peers=0, samples_per_second=0.0, at=last + 1200 + 2 * i)
+    html = client.get("/dashboard").text
+    history = json.loads(re.search(r'id="history-data">(.*?)</script>', html, re.S).group(1))
+    gaps = [p for p in history if p.get("gap")]
+    assert len(gaps) == 1 and last < gaps[0]["time"] < last + 1200, gaps
+    assert gaps[0]["samples_per_second"] is None and gaps[0]["loss"] is None and gaps[0]["epoch"] is None
+    assert "None" not in html.split('id="history-table"')[1].split("</table>")[0]  # the table skips markers
+    # What the page's poll gets after the last point it has: the gap first, then the new points.
+    fresh = client.get(f"/api/history?since={last}").json()
+    assert fresh[0].get("gap") and [p["time"] for p in fresh[1:]] == [last + 1200 + 2 * i for i in range(3)]
+    assert not any(p.get("gap") for p in client.get(f"/api/history?since={last + 1200}").json())
+    # The status file says nobody trains now: no estimate from the pace before the stop.
+    (run.run_dir / "status.json").write_text(json.dumps({"epoch": 11, "peers": [], "updated": now,
+                                                            "samples_per_second": 0.0, "total_epochs": 100}))
+    status = client.get("/api/status").json()
+    assert status["active_peers"] == 0 and status["eta_s"] is None
+    assert 'data-stat="eta">\u2014<' in client.get("/dashboard").text
+
+
 def test_leaderboard_ranks_users_by_samples_counted_by_the_swarm(run):
     rows = body_rows(run().get("/leaderboard").text, "leaderboard")
     by_user = {r[1]: r for r in rows}

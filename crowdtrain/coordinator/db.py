@@ -357,6 +357,13 @@ class Store:
             return [{"time": r.time, "epoch": r.epoch, "loss": _finite(r.loss), "active_peers": r.active_peers,
                      "samples_per_second": _finite(r.samples_per_second) or 0.0} for r in reversed(rows)]
 
+    def swarm_point_before(self, time_: float) -> dict | None:
+        """The last history point at or before ``time_`` (None if there is none)."""
+        with self.session() as s:
+            row = s.scalars(select(SwarmPoint).where(SwarmPoint.time <= time_).order_by(SwarmPoint.time.desc())
+                            .limit(1)).first()
+            return None if row is None else {"time": row.time, "epoch": row.epoch}
+
     def metrics(self, *, limit: int = 1000, peer_id: str | None = None) -> list[dict]:
         with self.session() as s:
             query = select(MetricsReport)

@@ -123,6 +123,28 @@ def downsample(points: list[dict], max_points: int) -> list[dict]:
     return out + [last]
 
 
+# The auxiliary peer records a point every ~2 s while it runs; a longer silence is downtime (the
+# coordinator was stopped), and a line drawn across it would show values nobody measured.
+GAP_S = 30.0
+
+
+def mark_gaps(points: list[dict], *, gap_s: float = GAP_S, before: dict | None = None) -> list[dict]:
+    """``points`` with a marker (``gap``, every value None: charts break their lines there) wherever
+    two consecutive points, or ``before`` and the first, are more than ``gap_s`` apart; ``gap_s`` is
+    raised to three typical spacings when points are sparser (downsampled history)."""
+    if len(points) >= 3:
+        spacing = sorted(b["time"] - a["time"] for a, b in zip(points, points[1:]))[len(points) // 2 - 1]
+        gap_s = max(gap_s, 3 * spacing)
+    out, prev = [], before
+    for p in points:
+        if prev is not None and p["time"] - prev["time"] > gap_s:
+            out.append({"time": (p["time"] + prev["time"]) / 2, "epoch": None, "loss": None, "active_peers": None,
+                        "samples_per_second": None, "gap": True})
+        out.append(p)
+        prev = p
+    return out
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -181,7 +203,7 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
 
     @router.get("/dashboard", response_class=HTMLResponse)
     def dashboard(request: Request):
-        history = downsample(store.swarm_history(limit=100_000), HISTORY_POINTS)
+        history = mark_gaps(downsample(store.swarm_history(limit=100_000), HISTORY_POINTS))
         return render(request, "dashboard.html", "/dashboard", history=history, refresh_ms=REFRESH_MS)
 
     @router.get("/leaderboard", response_class=HTMLResponse)

@@ -107,8 +107,8 @@ def run_status(run_dir: Path, store: Store) -> dict:
     history = store.swarm_history(since=time.time() - 600)
     epoch = int(status.get("epoch", 0))
     total = int(status.get("total_epochs") or swarm.get("total_epochs") or 0)
-    eta_s = None
-    if len(history) >= 2 and history[-1]["epoch"] > history[0]["epoch"] and total:
+    eta_s = None  # unknown while nobody trains: the run is paused, not ending at the old pace
+    if live and len(history) >= 2 and history[-1]["epoch"] > history[0]["epoch"] and total:
         rate = (history[-1]["epoch"] - history[0]["epoch"]) / max(history[-1]["time"] - history[0]["time"], 1e-9)
         eta_s = max(total - epoch, 0) / rate
     # A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
@@ -126,7 +126,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
                text_tokenizer: str | Path | None = None, auth: AuthSettings | None = None,
                public_url: str = "http://127.0.0.1:8000", checkpoint_dir: str | Path | None = None) -> FastAPI:
     from crowdtrain.coordinator.api_docs import add_api_docs
-    from crowdtrain.coordinator.pages import NAV, create_router as pages_router
+    from crowdtrain.coordinator.pages import NAV, mark_gaps, create_router as pages_router
     from crowdtrain.memcalc.web import create_router as memcalc_router
 
     run_dir = Path(run_dir)
@@ -272,7 +272,10 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     def api_history(since: float = 0.0, limit: int = 5000) -> list[dict]:
         if not 1 <= limit <= 100_000:
             raise HTTPException(422, "limit must be between 1 and 100000")
-        return store.swarm_history(since=since, limit=limit)
+        # The point the caller already has (the last one up to `since`) decides whether the first
+        # new one follows a downtime; the charts draw gaps as gaps.
+        before = store.swarm_point_before(since) if since > 0 else None
+        return mark_gaps(store.swarm_history(since=since, limit=limit), before=before)
 
     @app.get("/api/metrics", summary="Metrics records of the peers, oldest first")
     def api_metrics(limit: int = 1000, peer_id: str | None = None) -> list[dict]:
