@@ -174,7 +174,7 @@ def test_the_checkpointer_draws_the_gallery_from_a_checkpoint(checkpoint, tmp_pa
 
 def test_a_run_whose_model_no_image_tokenizer_fits_gets_no_gallery_and_one_line_saying_why(tmp_path, caplog):
     # `tiny` draws 64 codes; with no tokenizer in its checkpoints (a run on pattern data), the
-    # shipped one has 512. The checkpointer used to warn at every checkpoint.
+    # shipped one has 1280. The checkpointer used to warn at every checkpoint.
     import logging
 
     ckpt = save_checkpoint(tmp_path / "step-1", DalleTransformer(get_preset("tiny")), step=1)

@@ -9,8 +9,9 @@ import torch
 from crowdtrain.data import shapes
 from crowdtrain.data.config import VQTrainConfig
 from crowdtrain.data.image_tokenizer import SmallVQ, load_image_tokenizer
-from crowdtrain.data.tokenizers import (SHAPES_IMAGE_TOKENIZER, SHAPES_TEXT_TOKENIZER, default_image_tokenizer,
-                                        default_text_tokenizer, load_text_tokenizer, train_text_tokenizer)
+from crowdtrain.data.tokenizers import (SHAPES_IMAGE_TOKENIZER, SHAPES_TEXT_TOKENIZER, SHAPES_VQ_TOKENIZER,
+                                       default_text_tokenizer, load_text_tokenizer,
+                                       resolve_image_tokenizer, train_text_tokenizer)
 from crowdtrain.data.vq_train import reconstruction_report, train_vq
 from crowdtrain.data.vqgan import TamingVQGAN
 
@@ -56,15 +57,15 @@ def test_tokenizer_train_cli_reproduces_file(tmp_path):
     assert tok.report["images"] == 2 and "mse" in tok.report  # every 20th image is held out
 
 
-def test_shipped_image_tokenizer_reads_back_shapes():
+def test_shipped_vq_tokenizer_reads_back_shapes():
     """Encoding then decoding keeps what the caption says: the tokenizer is the ceiling of every
     model trained on its codes. 200 fresh images per kind (a seed the tokenizer never saw). The
     shipped file reads back 0.95 of seen and 0.915-0.95 of held-out images (one shape 0.98-1.0,
     two 0.88-0.94); the bounds sit ~2 standard errors (0.018 on 200 images) below that, so a
     tokenizer that loses shapes again (0.74 / 0.62 before the 4-pixel lattice) fails."""
-    tok = default_image_tokenizer()
+    tok = resolve_image_tokenizer("shapes-vq")
     assert tok.grid_size == (8, 8) and tok.vocab_size == 512 and tok.image_size == 64
-    assert SHAPES_IMAGE_TOKENIZER.stat().st_size < 2_000_000
+    assert SHAPES_VQ_TOKENIZER.stat().st_size < 2_000_000 and SHAPES_IMAGE_TOKENIZER.stat().st_size < 100_000
     stored = tok.report
     assert stored["shapes_agreement"] >= 0.93 and stored["codes_used"] > 200 and "command" in stored, stored
     for heldout in (False, True):

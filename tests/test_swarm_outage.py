@@ -27,7 +27,8 @@ def test_volunteers_ride_out_a_coordinator_outage_and_reconnect(swarm_factory, t
 
     shards = ensure_demo_shards(tmp_path / "shapes", num_train=300)
     swarm = swarm_factory(data=str(shards))
-    shapes_model = ["--model", "image_vocab_size=512"]  # tiny, with the shapes tokenizer's codebook
+    # tiny, with the shapes tokenizer's codes
+    shapes_model = ["--model", "image_vocab_size=1280", "--model", "image_code_factors=[256,5]"]
     first = swarm.start_coordinator(extra=shapes_model)
     assert first["task"]["data"].endswith("/shards"), "the volunteers stream from the coordinator"
     peers = ("a", "b")

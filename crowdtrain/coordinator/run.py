@@ -95,12 +95,41 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def image_tokenizer_layout(path) -> tuple[int, tuple[int, int] | None] | None:
+    """(codebook size, code factors or None) of a ``.safetensors`` image tokenizer, read from its
+    metadata (``crowdtrain.data.image_tokenizer.METADATA_KEY``) without importing torch, which the
+    coordinator's process does without; None if not known."""
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        meta = json.loads(header.get("__metadata__", {}).get("crowdtrain_image_tokenizer", "null"))
+        kind, config = meta["kind"], meta["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if kind == "palette_mask":
+        factors = (int(config["n_masks"]), len(config["palette"]))
+        return factors[0] * factors[1], factors
+    if kind == "small_vq":
+        return int(config.get("codebook_size", 512)), None
+    if kind == "taming_vqgan":
+        return int(config.get("n_embed", 8192)), None
+    return None
+
+
 def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
     model = get_preset(config.preset, **config.model_overrides)
     swarm = config.swarm_config()
     data = f"{config.url}/shards" if shards_dir is not None else config.data
     text_tokenizer = Path(config.text_tokenizer) if config.text_tokenizer else ASSETS / "shapes_text_tokenizer.json"
-    image_tokenizer = Path(config.image_tokenizer) if config.image_tokenizer else ASSETS / "shapes_vq.safetensors"
+    # The bundled shapes data is coded with its palette tokenizer; shards of one's own images with
+    # `data prepare`'s default, the learned VQ.
+    default_image = "shapes_palette.safetensors" if config.data == "shapes" else "shapes_vq.safetensors"
+    image_tokenizer = Path(config.image_tokenizer) if config.image_tokenizer else ASSETS / default_image
+    # The model's image vocabulary is the tokenizer's, unless the organizer set it: the `demo`
+    # preset serves both the shapes data's palette codes and the learned VQ's 512.
+    layout = image_tokenizer_layout(image_tokenizer) if image_tokenizer.suffix == ".safetensors" else None
+    if layout is not None and not {"image_vocab_size", "image_code_factors"} & set(config.model_overrides):
+        model = dataclasses.replace(model, image_vocab_size=layout[0], image_code_factors=layout[1])
     needs_tokenizer = data not in ("pattern", "synthetic")
     assets = {}
     if text_tokenizer.is_file():

@@ -52,8 +52,10 @@ def register(subparsers) -> None:
                    help="a folder of images with .txt captions, a webdataset .tar, or a .parquet of image bytes "
                         "and captions")
     p.add_argument("--out", required=True, help="shard folder")
-    p.add_argument("--image-tokenizer", default="shapes",
-                   help="'shapes' (the shipped one), a .safetensors file or a taming .ckpt (default: shapes)")
+    p.add_argument("--image-tokenizer", default="shapes-vq",
+                   help="'shapes-vq' (the shipped learned VQ: 64x64 pictures to 8x8 codes of 512), 'shapes' (the "
+                        "shapes data's palette codes: flat pictures in its five colours only), a .safetensors file "
+                        "or a taming .ckpt (default: shapes-vq)")
     p.add_argument("--split", default="train", help="split name, the shards' file prefix (default: train)")
     p.add_argument("--shard-size", type=int, default=5000, help="input items per shard (default: 5000)")
     p.add_argument("--batch-size", type=int, default=64, help="images encoded at once (default: 64)")

@@ -243,6 +243,9 @@ def load_image_tokenizer(path, *, device: str | torch.device = "cpu", trust_chec
         if meta["kind"] == "taming_vqgan":
             from crowdtrain.data.vqgan import TamingVQGAN
             cls = TamingVQGAN
+        elif meta["kind"] == "palette_mask":
+            from crowdtrain.data.palette_tokenizer import PaletteMaskTokenizer
+            cls = PaletteMaskTokenizer
         elif meta["kind"] in KINDS:
             cls = KINDS[meta["kind"]]
         else:

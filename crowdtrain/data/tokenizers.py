@@ -16,7 +16,11 @@ logger = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHAPES_TEXT_TOKENIZER = ASSETS / "shapes_text_tokenizer.json"
-SHAPES_IMAGE_TOKENIZER = ASSETS / "shapes_vq.safetensors"
+# The shapes data's tokenizer: a palette-and-mask code per 8x8 patch, exact on those pictures
+# (crowdtrain.data.palette_tokenizer). The learned VQ it replaced stays as an example of
+# `crowdtrain tokenizer train`'s output ("shapes-vq"): 0.95 read-back, and codes that tie colour to shape.
+SHAPES_IMAGE_TOKENIZER = ASSETS / "shapes_palette.safetensors"
+SHAPES_VQ_TOKENIZER = ASSETS / "shapes_vq.safetensors"
 
 PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>", "[pad]")
 
@@ -159,7 +163,7 @@ def default_text_tokenizer() -> TextTokenizer:
 
 
 def default_image_tokenizer(device: str = "cpu"):
-    """The small VQ tokenizer shipped for the shapes data set (64x64 -> 8x8 codes of 512)."""
+    """The tokenizer shipped for the shapes data set (64x64 -> 8x8 codes of 256 masks x 5 colours)."""
     from crowdtrain.data.image_tokenizer import load_image_tokenizer
 
     return load_image_tokenizer(SHAPES_IMAGE_TOKENIZER, device=device)
@@ -171,9 +175,12 @@ def default_asset_paths() -> dict[str, Path]:
 
 
 def resolve_image_tokenizer(spec: str, device: str = "cpu"):
-    """'shapes' -> the shipped tokenizer; anything else is a path for ``load_image_tokenizer``."""
+    """'shapes' -> the shipped tokenizer, 'shapes-vq' the learned VQ for the same pictures;
+    anything else is a path for ``load_image_tokenizer``."""
     from crowdtrain.data.image_tokenizer import load_image_tokenizer
 
     if spec == "shapes":
         return default_image_tokenizer(device)
+    if spec == "shapes-vq":
+        return load_image_tokenizer(SHAPES_VQ_TOKENIZER, device=device)
     return load_image_tokenizer(spec, device=device)

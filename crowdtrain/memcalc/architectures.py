@@ -264,7 +264,9 @@ def crowdtrain_param_count(config) -> int:
     from its layer shapes and without torch: a volunteer sizes a run's model before building it.
     Tests check it against the model's own count. Shared layers (``share_ids``) count once."""
     w, inner, hidden = config.width, config.heads * config.head_dim, config.ff_mult * config.width
-    base = (config.text_vocab_size + config.image_vocab_size + 1) * w + 2 * w  # tied embedding, final norm
+    factors = getattr(config, "image_code_factors", None)  # factorised codes: a mask and a colour table
+    image_rows = sum(factors) if factors else config.image_vocab_size
+    base = (config.text_vocab_size + image_rows + 1) * w + 2 * w  # tied embedding, final norm
     if not config.rotary:
         base += (config.text_len + config.image_height * config.image_width) * w  # learned positions
     attention = w * 3 * inner + inner * w + w  # to_qkv (no bias), to_out

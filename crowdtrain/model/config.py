@@ -53,11 +53,24 @@ class ModelConfig:
     # initialised small and smaller with depth (layer_scale_init), so deep stacks start close
     # to the identity and train stably.
     layer_scale: bool = False
+    # Factorised image codes (crowdtrain.data.palette_tokenizer): code = mask * n_colours + colour,
+    # given as (n_masks, n_colours) with n_masks * n_colours = image_vocab_size. The tied
+    # embedding of a code is then a mask embedding plus a colour embedding, so a code's logit is a
+    # mask score plus a colour score and a colour-shape pair never seen in training gets both
+    # trained halves. None: every code has its own embedding (learned VQ codes).
+    image_code_factors: tuple[int, int] | None = None
 
     def __post_init__(self):
         # Lists from JSON or the CLI become tuples, so configs stay hashable and comparable.
         object.__setattr__(self, "patterns", tuple(self.patterns))
         object.__setattr__(self, "share_ids", tuple(int(i) for i in self.share_ids))
+        if self.image_code_factors is not None:
+            factors = tuple(int(f) for f in self.image_code_factors)
+            object.__setattr__(self, "image_code_factors", factors)
+            if len(factors) != 2 or min(factors) <= 0 or factors[0] * factors[1] != self.image_vocab_size:
+                raise ValueError(f"model.image_code_factors={list(factors)} must be [n_masks, n_colours] with "
+                                 f"n_masks * n_colours = model.image_vocab_size ({self.image_vocab_size}): the image "
+                                 "tokenizer's `factors` (set both from it, or image_code_factors=None)")
         for name in ("width", "depth", "heads", "head_dim", "ff_mult", "text_len", "text_vocab_size",
                      "image_height", "image_width", "image_vocab_size"):
             if getattr(self, name) <= 0:
@@ -125,6 +138,8 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["patterns"] = list(self.patterns)
         d["share_ids"] = list(self.share_ids)
+        if self.image_code_factors is not None:
+            d["image_code_factors"] = list(self.image_code_factors)
         return d
 
     @classmethod
@@ -144,6 +159,8 @@ class ModelConfig:
         """
         d = self.to_dict()
         d.pop("checkpointing")
+        if d["image_code_factors"] is None:  # as before the option existed
+            d.pop("image_code_factors")
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -165,8 +182,11 @@ def layer_scale_init(layer: int) -> float:
 # 256 keeps 3% of the paper's 8192 VQGAN codes but half of the shapes tokenizer's 512, where it
 # hardly filters (on one 5-minute demo checkpoint, 4 seeds x 16 samples per prompt: seen adherence
 # 0.51 with top-k 256, 0.63 with top-p 0.75, 0.64 with 0.6, 0.59 with 0.9; a second checkpoint
-# 0.47 against 0.60). Lower top-p trades diversity for adherence: at 0.4 the held-out prompts'
-# samples all repeat the colours seen in training. Every sampler (generate_images, crowdtrain
+# 0.47 against 0.60). Lower top-p trades diversity for adherence, by an amount that depends on the
+# model: with the learned VQ codes, at 0.4 the held-out prompts' samples all repeated the colours
+# seen in training; with the palette codes (a 30-minute demo checkpoint, 4 seeds), 0.75 scores
+# 0.80 seen / 0.63 held-out and 0.4 scores 1.00 / 0.88 (benchmarks/results/bench_sampling_palette_*).
+# Every sampler (generate_images, crowdtrain
 # generate / eval, the aux peer's gallery, the demo) reads these; for the paper's other choice
 # pass top_k=256 and top_p=None (--top-k 256).
 DEFAULT_TOP_K: int | None = None
@@ -209,7 +229,8 @@ def _demo() -> ModelConfig:
     depth = 8
     return ModelConfig(
         width=128, depth=depth, heads=4, head_dim=32, text_len=32, text_vocab_size=1024,
-        image_height=8, image_width=8, image_vocab_size=512,
+        # The shapes data's palette-and-mask codes (crowdtrain.data.palette_tokenizer): 256 masks x 5 colours.
+        image_height=8, image_width=8, image_vocab_size=1280, image_code_factors=(256, 5),
         patterns=_cycle(("axial_row", "axial_col", "axial_row", "axial_row"), depth - 1) + ("conv_like",),
         share_ids=_cycle((0, 1, 2, 3), depth - 1) + (4,),
         reversible=False,

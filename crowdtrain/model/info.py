@@ -36,7 +36,8 @@ def model_info(config: ModelConfig) -> dict:
     for i in range(config.depth):
         norms, attn, ff = model.layer_modules(i)
         per_layer.append(_numel(norms) + _numel(attn) + _numel(ff))
-    embedding = model.embedding.weight.numel() + (model.pos_embedding.numel() if model.pos_embedding is not None else 0)
+    embedding = (model.embedding.weight.numel() + (model.pos_embedding.numel() if model.pos_embedding is not None else 0)
+                 + (_numel(model.image_factors) if model.image_factors is not None else 0))
     unshared = embedding + sum(per_layer) + _numel(model.final_norm)
 
     # Forward FLOPs per token: 2 per multiply-add of every dense weight a token passes through

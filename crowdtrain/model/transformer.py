@@ -91,7 +91,13 @@ class DalleTransformer(nn.Module):
         group_of_layer = [self.groups.index(s) for s in config.share_ids]
         pattern_of_group = {g: p for g, p in zip(group_of_layer, config.patterns)}
 
-        self.embedding = nn.Embedding(config.vocab_size, config.width)
+        factors = config.image_code_factors
+        # With factorised image codes this holds the text rows and the image-start row only; the
+        # image rows are sums of a mask and a colour row (``embedding_weight``).
+        self.embedding = nn.Embedding(config.vocab_size if factors is None else config.text_vocab_size + 1,
+                                      config.width)
+        self.image_factors = None if factors is None else nn.ModuleDict(
+            {"mask": nn.Embedding(factors[0], config.width), "colour": nn.Embedding(factors[1], config.width)})
         self.rotary = Rotary(config) if config.rotary else None
         self.pos_embedding = None if config.rotary else nn.Parameter(torch.zeros(config.seq_len, config.width))
         self.attn = nn.ModuleList(Attention(config, pattern_of_group[g], self.rotary) for g in range(len(self.groups)))
@@ -108,6 +114,9 @@ class DalleTransformer(nn.Module):
     def reset_parameters(self) -> None:
         std = 0.02
         nn.init.normal_(self.embedding.weight, std=std)
+        if self.image_factors is not None:
+            for table in self.image_factors.values():  # a code's row is the sum of two: the same std
+                nn.init.normal_(table.weight, std=std / 2 ** 0.5)
         if self.pos_embedding is not None:
             nn.init.normal_(self.pos_embedding, std=std)
         # Residual branches are scaled down with depth so the stream's variance stays ~1
@@ -140,9 +149,24 @@ class DalleTransformer(nn.Module):
                              f"{cfg.image_width} grid, got shape {tuple(image.shape)}; encode images with "
                              "the tokenizer the run was configured with")
 
+    def embedding_weight(self) -> torch.Tensor:
+        """The tied (vocab_size, width) table: text tokens, image codes, the image-start token."""
+        w = self.embedding.weight
+        if self.image_factors is None:
+            return w
+        t = self.config.text_vocab_size
+        mask, colour = self.image_factors["mask"].weight, self.image_factors["colour"].weight
+        image = (mask[:, None, :] + colour[None, :, :]).reshape(-1, w.shape[1])  # code = mask * n_colours + colour
+        return torch.cat([w[:t], image, w[t:]])
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.image_factors is None:
+            return self.embedding(ids)
+        return F.embedding(ids, self.embedding_weight())
+
     def embed(self, text: torch.Tensor, image_in: torch.Tensor) -> torch.Tensor:
         """Embed text ids and image-stream ids (codes already offset into the joint vocabulary)."""
-        x = self.embedding(torch.cat([text, image_in], dim=1))
+        x = self.embed_ids(torch.cat([text, image_in], dim=1))
         if self.pos_embedding is not None:
             x = x + self.pos_embedding[: x.shape[1]]
         return x
@@ -155,7 +179,7 @@ class DalleTransformer(nn.Module):
 
     def logits(self, h: torch.Tensor, part: str) -> torch.Tensor:
         cfg = self.config
-        w = self.embedding.weight
+        w = self.embedding.weight if self.image_factors is None or part == "text" else self.embedding_weight()
         w = w[: cfg.text_vocab_size] if part == "text" else w[cfg.text_vocab_size: cfg.text_vocab_size + cfg.image_vocab_size]
         return h @ w.t().to(h.dtype)
 
@@ -228,7 +252,7 @@ class DalleTransformer(nn.Module):
     def decode_step(self, ids: torch.Tensor, start: int, state: DecodeState) -> torch.Tensor:
         """Feed ids at positions ``start..start+n-1`` (B, n); returns final hidden states (B, n, d)."""
         n = ids.shape[1]
-        x = self.embedding(ids)
+        x = self.embed_ids(ids)
         if self.pos_embedding is not None:
             x = x + self.pos_embedding[start: start + n]
         # Additive masks in the dtype the projections produce (autocast may differ from x's),
