@@ -116,15 +116,22 @@ def image_tokenizer_layout(path) -> tuple[int, tuple[int, int] | None] | None:
     return None
 
 
+def _default_image_tokenizer(shards_dir: Path | None) -> Path:
+    """The shipped tokenizer the shards were made with, as their ``shards.json`` records it: the
+    bundled shapes data's palette codes, or (anything else) the learned VQ, `data prepare`'s default."""
+    try:
+        kind = json.loads((shards_dir / "shards.json").read_text())["image_tokenizer"]["kind"]
+    except (TypeError, OSError, ValueError, KeyError):
+        kind = None
+    return ASSETS / ("shapes_palette.safetensors" if kind == "palette_mask" else "shapes_vq.safetensors")
+
+
 def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
     model = get_preset(config.preset, **config.model_overrides)
     swarm = config.swarm_config()
     data = f"{config.url}/shards" if shards_dir is not None else config.data
     text_tokenizer = Path(config.text_tokenizer) if config.text_tokenizer else ASSETS / "shapes_text_tokenizer.json"
-    # The bundled shapes data is coded with its palette tokenizer; shards of one's own images with
-    # `data prepare`'s default, the learned VQ.
-    default_image = "shapes_palette.safetensors" if config.data == "shapes" else "shapes_vq.safetensors"
-    image_tokenizer = Path(config.image_tokenizer) if config.image_tokenizer else ASSETS / default_image
+    image_tokenizer = Path(config.image_tokenizer) if config.image_tokenizer else _default_image_tokenizer(shards_dir)
     # The model's image vocabulary is the tokenizer's, unless the organizer set it: the `demo`
     # preset serves both the shapes data's palette codes and the learned VQ's 512.
     layout = image_tokenizer_layout(image_tokenizer) if image_tokenizer.suffix == ".safetensors" else None
