@@ -132,12 +132,14 @@ def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
     data = f"{config.url}/shards" if shards_dir is not None else config.data
     text_tokenizer = Path(config.text_tokenizer) if config.text_tokenizer else ASSETS / "shapes_text_tokenizer.json"
     image_tokenizer = Path(config.image_tokenizer) if config.image_tokenizer else _default_image_tokenizer(shards_dir)
+    needs_tokenizer = data not in ("pattern", "synthetic")
     # The model's image vocabulary is the tokenizer's, unless the organizer set it: the `demo`
-    # preset serves both the shapes data's palette codes and the learned VQ's 512.
-    layout = image_tokenizer_layout(image_tokenizer) if image_tokenizer.suffix == ".safetensors" else None
+    # preset serves both the shapes data's palette codes and the learned VQ's 512. Generated data
+    # (pattern, synthetic) has no tokenizer: the preset's vocabulary stands.
+    layout = image_tokenizer_layout(image_tokenizer) if needs_tokenizer and image_tokenizer.suffix == ".safetensors" \
+        else None
     if layout is not None and not {"image_vocab_size", "image_code_factors"} & set(config.model_overrides):
         model = dataclasses.replace(model, image_vocab_size=layout[0], image_code_factors=layout[1])
-    needs_tokenizer = data not in ("pattern", "synthetic")
     assets = {}
     if text_tokenizer.is_file():
         assets["text_tokenizer.json"] = str(text_tokenizer)
