@@ -73,12 +73,13 @@ class PaletteMaskTokenizer(ImageTokenizer):
         _, masks = self._patches(np.asarray(images, dtype=np.uint8))
         flat = masks.reshape(-1, self.patch * self.patch)
         counts = Counter(row.tobytes() for row in flat if row.any())
-        kept = [np.frombuffer(k, dtype=np.uint8) for k, _ in counts.most_common(self.n_masks - 1)]
+        common = counts.most_common(self.n_masks - 1)
+        kept = [np.frombuffer(k, dtype=np.uint8) for k, _ in common]
         table = np.zeros((self.n_masks, self.patch * self.patch), dtype=np.uint8)
         if kept:
             table[1:1 + len(kept)] = np.stack(kept)
         self.masks.copy_(torch.from_numpy(table))
-        exact = sum(n for _, n in counts.most_common(self.n_masks - 1)) + int((~flat.any(1)).sum())
+        exact = sum(n for _, n in common) + int((~flat.any(1)).sum())
         return {"distinct_masks": len(counts), "masks_kept": len(kept), "exact_patch_share": exact / len(flat)}
 
     def encode_uint8(self, images: np.ndarray) -> torch.Tensor:

@@ -149,15 +149,21 @@ class DalleTransformer(nn.Module):
                              f"{cfg.image_width} grid, got shape {tuple(image.shape)}; encode images with "
                              "the tokenizer the run was configured with")
 
+    def image_code_weight(self) -> torch.Tensor:
+        """The tied embedding's (image_vocab_size, width) rows of the image codes."""
+        cfg = self.config
+        if self.image_factors is None:
+            return self.embedding.weight[cfg.text_vocab_size: cfg.text_vocab_size + cfg.image_vocab_size]
+        mask, colour = self.image_factors["mask"].weight, self.image_factors["colour"].weight
+        return (mask[:, None, :] + colour[None, :, :]).reshape(-1, mask.shape[1])  # code = mask * n_colours + colour
+
     def embedding_weight(self) -> torch.Tensor:
         """The tied (vocab_size, width) table: text tokens, image codes, the image-start token."""
         w = self.embedding.weight
         if self.image_factors is None:
             return w
         t = self.config.text_vocab_size
-        mask, colour = self.image_factors["mask"].weight, self.image_factors["colour"].weight
-        image = (mask[:, None, :] + colour[None, :, :]).reshape(-1, w.shape[1])  # code = mask * n_colours + colour
-        return torch.cat([w[:t], image, w[t:]])
+        return torch.cat([w[:t], self.image_code_weight(), w[t:]])
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if self.image_factors is None:
@@ -179,8 +185,8 @@ class DalleTransformer(nn.Module):
 
     def logits(self, h: torch.Tensor, part: str) -> torch.Tensor:
         cfg = self.config
-        w = self.embedding.weight if self.image_factors is None or part == "text" else self.embedding_weight()
-        w = w[: cfg.text_vocab_size] if part == "text" else w[cfg.text_vocab_size: cfg.text_vocab_size + cfg.image_vocab_size]
+        # Image logits need only the image rows (with factorised codes, no full table per step).
+        w = self.embedding.weight[: cfg.text_vocab_size] if part == "text" else self.image_code_weight()
         return h @ w.t().to(h.dtype)
 
     # ---- the stack ----------------------------------------------------------------------
