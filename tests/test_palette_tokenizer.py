@@ -67,7 +67,7 @@ def test_a_factorised_embedding_scores_a_code_as_mask_plus_colour():
     h = torch.randn(5, cfg.width)
     logits = model.logits(h, "image").view(5, 4, 3)  # (batch, mask, colour)
     # Additive: the colour part of a logit does not depend on the mask, nor the mask part on the colour.
-    diff = logits[:, :, 1] - logits[:, :, 0]
+    diff = logits[:, 1:, 1] - logits[:, 1:, 0]
     assert torch.allclose(diff, diff[:, :1].expand_as(diff), atol=1e-5)
     # The image rows of the table are what the model embeds codes with, and what it scores.
     table = model.embedding_weight()
@@ -75,6 +75,35 @@ def test_a_factorised_embedding_scores_a_code_as_mask_plus_colour():
     code = torch.tensor([[cfg.text_vocab_size + 7]])
     assert torch.allclose(model.embed_ids(code)[0, 0], model.image_factors["mask"].weight[2]
                           + model.image_factors["colour"].weight[1])
+
+
+def test_the_blank_patch_is_one_outcome_and_trains_no_colour():
+    cfg = get_preset("tiny", image_vocab_size=12, image_code_factors=[4, 3])
+    model = DalleTransformer(cfg).eval()
+    h = torch.randn(5, cfg.width)
+    p = model.logits(h, "image").softmax(-1).view(5, 4, 3)
+    mask_scores = h @ model.image_factors["mask"].weight.t()
+    colour_scores = h @ model.image_factors["colour"].weight.t()
+    p_mask, p_colour = mask_scores.softmax(-1), colour_scores.softmax(-1)
+    # Code 0 carries p(mask 0), the other blank codes nothing; foreground codes keep p(mask) p(colour).
+    assert torch.allclose(p[:, 0, 0], p_mask[:, 0], atol=1e-5) and (p[:, 0, 1:] == 0).all()
+    assert torch.allclose(p[:, 1:], p_mask[:, 1:, None] * p_colour[:, None, :], atol=1e-5)
+    assert torch.allclose(p.sum((1, 2)), torch.ones(5), atol=1e-5)
+
+    text = torch.randint(0, cfg.text_vocab_size, (2, cfg.text_len))
+    blank = torch.zeros(2, cfg.image_len, dtype=torch.long)
+    # A blank written with any colour is the same patch, with the same loss.
+    assert torch.allclose(model(text, blank).image_loss, model(text, blank + 2).image_loss)
+    # Blank targets pull no colour: only foreground patches train the colour scores (colour 0 is
+    # in the input embedding of the blank, so look at the others).
+    model.train()
+    model(text, blank).image_loss.backward()
+    assert model.image_factors["colour"].weight.grad[1:].abs().max() < 1e-6
+    model.zero_grad()
+    painted = blank.clone()
+    painted[:, 5] = 2 * 3 + 1  # mask 2 in colour 1
+    model(text, painted).image_loss.backward()
+    assert model.image_factors["colour"].weight.grad[1:].abs().max() > 1e-4
 
 
 def test_factors_that_do_not_match_the_vocabulary_are_refused_with_the_fix():

@@ -57,7 +57,12 @@ class ModelConfig:
     # given as (n_masks, n_colours) with n_masks * n_colours = image_vocab_size. The tied
     # embedding of a code is then a mask embedding plus a colour embedding, so a code's logit is a
     # mask score plus a colour score and a colour-shape pair never seen in training gets both
-    # trained halves. None: every code has its own embedding (learned VQ codes).
+    # trained halves. Mask 0 is the blank patch, which has no colour: codes 0..n_colours-1 are
+    # one outcome (the model scores it as p(mask 0), code 0 stands for it), so the colour score
+    # is trained on foreground patches only and is the colour *given* foreground. Otherwise the
+    # blank's arbitrary colour leaks into shape edges: where "blank or edge" is uncertain the
+    # independent colour draw picks the blank's colour and draws stray shapes in it.
+    # None: every code has its own embedding (learned VQ codes).
     image_code_factors: tuple[int, int] | None = None
 
     def __post_init__(self):

@@ -82,6 +82,16 @@ class ModelOutput:
     image_logits: torch.Tensor | None = None  # (B, N, image_vocab)
 
 
+def merge_blank_codes(logits: torch.Tensor, n_colours: int) -> torch.Tensor:
+    """Factorised image logits (..., n_masks * n_colours) with the blank patch as one outcome:
+    code 0 gets the log-sum of the (mask 0, colour) scores, the other blank codes -inf. With
+    additive scores this makes p(code 0) = p(mask 0) and leaves every foreground code's
+    probability, p(mask) * p(colour), unchanged."""
+    blank = torch.logsumexp(logits[..., :n_colours], dim=-1, keepdim=True)
+    rest = torch.full_like(logits[..., 1:n_colours], float("-inf"))
+    return torch.cat([blank, rest, logits[..., n_colours:]], dim=-1)
+
+
 class DalleTransformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -183,11 +193,34 @@ class DalleTransformer(nn.Module):
         bos = torch.full_like(image[:, :1], cfg.image_bos_id)
         return torch.cat([bos, image[:, :-1] + cfg.text_vocab_size], dim=1)
 
-    def logits(self, h: torch.Tensor, part: str) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, part: str, *, merge_blank: bool = True) -> torch.Tensor:
+        """Text or image logits of final hidden states. Factorised image codes come with the blank
+        merged into code 0 (``merge_blank_codes``) unless ``merge_blank=False`` (the raw scores)."""
         cfg = self.config
         # Image logits need only the image rows (with factorised codes, no full table per step).
         w = self.embedding.weight[: cfg.text_vocab_size] if part == "text" else self.image_code_weight()
-        return h @ w.t().to(h.dtype)
+        logits = h @ w.t().to(h.dtype)
+        if merge_blank and part == "image" and self.image_factors is not None:
+            logits = merge_blank_codes(logits.float(), cfg.image_code_factors[1])
+        return logits
+
+    def image_nll(self, raw_logits: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Mean negative log-likelihood of canonical ``codes`` under raw image logits: what
+        cross-entropy on the merged logits gives, without a merged (N, vocab) copy to keep for
+        the backward pass."""
+        cfg = self.config
+        logits, codes = raw_logits.reshape(-1, cfg.image_vocab_size), codes.reshape(-1)
+        if self.image_factors is None:
+            return F.cross_entropy(logits, codes)
+        picked = logits.gather(1, codes[:, None]).squeeze(1)
+        blank = torch.logsumexp(logits[:, : cfg.image_code_factors[1]], dim=1)
+        return (torch.logsumexp(logits, dim=1) - torch.where(codes == 0, blank, picked)).mean()
+
+    def canonical_codes(self, image: torch.Tensor) -> torch.Tensor:
+        """Codes with every blank (mask 0, any colour) written as code 0, the one the logits score."""
+        if self.image_factors is None:
+            return image
+        return image.masked_fill(image < self.config.image_code_factors[1], 0)
 
     # ---- the stack ----------------------------------------------------------------------
     def _branches(self, ctx: AttentionContext):
@@ -231,17 +264,20 @@ class DalleTransformer(nn.Module):
         """Training forward: ``text`` (B, T) token ids, ``image`` (B, N) codes -> losses."""
         cfg = self.config
         self._check_inputs(text, image)
+        image = self.canonical_codes(image)
         keep = self.text_keep(text)
         h = self.final_norm(self.run_layers(self.embed(text, self.image_stream(image)), keep))
         t = cfg.text_len
         text_logits = self.logits(h[:, : t - 1], "text").float()
-        image_logits = self.logits(h[:, t:], "image").float()
+        image_logits = self.logits(h[:, t:], "image", merge_blank=False).float()
         # Text: position p predicts token p+1, only where that token is real.
         text_target = text[:, 1:].masked_fill(~keep[:, 1:], -100)
         n_text = (text_target != -100).sum()
         text_loss = F.cross_entropy(text_logits.reshape(-1, cfg.text_vocab_size), text_target.reshape(-1),
                                     ignore_index=-100, reduction="sum") / n_text.clamp(min=1)
-        image_loss = F.cross_entropy(image_logits.reshape(-1, cfg.image_vocab_size), image.reshape(-1))
+        image_loss = self.image_nll(image_logits, image)
+        if return_logits and self.image_factors is not None:
+            image_logits = merge_blank_codes(image_logits, cfg.image_code_factors[1])
         w = cfg.image_loss_weight
         loss = (text_loss + w * image_loss) / (1 + w)
         return ModelOutput(loss, text_loss, image_loss,
