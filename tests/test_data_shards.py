@@ -41,6 +41,10 @@ def test_prepare_folder_layout_codes_and_summary(tmp_path, vq_path):
     assert summary.skipped == {"missing caption (.txt)": 1, "empty caption": 1, "unreadable image (UnidentifiedImageError)": 1}
     text = summary.format()
     assert "skipped 3 items" in text and "unreadable image" in text
+    # Each skipped file is named with its reason.
+    assert "  000003.png: missing caption (.txt)" in text and "  000004.png: empty caption" in text
+    assert "  000005.png: unreadable image (UnidentifiedImageError: cannot identify image file" in text
+    assert summary.skipped_file is None and not (tmp_path / "out" / "skipped-train.txt").exists()
     files = sorted((tmp_path / "out").glob("train-*.parquet"))
     assert [f.name for f in files] == ["train-00000.parquet", "train-00001.parquet", "train-00002.parquet"]
     pf = pq.ParquetFile(files[0])
@@ -72,6 +76,7 @@ def test_prepare_resumes_after_interrupt(tmp_path, vq_path):
     assert second.shards_resumed == 1 and second.shards_written == 2
     assert done.stat().st_mtime_ns == mtime  # not redone
     assert second.rows == 22 and sum(second.skipped.values()) == 3  # summary covers the resumed shard too
+    assert sorted(source for source, _ in second.skipped_items) == ["000003.png", "000004.png", "000005.png"]
     fresh = prepare_shards(src, tmp_path / "fresh", tok, shard_size=10, progress=False)
     assert shard_rows(out) == shard_rows(tmp_path / "fresh")
     assert fresh.rows == second.rows
@@ -173,3 +178,15 @@ def test_demo_shards_small_sets_stay_out_of_the_shared_cache(tmp_path, monkeypat
     folder = demo.ensure_demo_shards(tmp_path / "shapes", num_train=200)
     assert (folder / "demo.json").exists() and not (tmp_path / "shared").exists()
     assert demo.DEFAULT_NUM_TRAIN >= 50_000 >= demo.SHARED_CACHE_MIN_IMAGES
+
+
+def test_prepare_lists_every_skipped_file_in_a_file_when_there_are_many(tmp_path, vq_path):
+    src = _folder(tmp_path, num=30)
+    for i in range(6, 30):
+        (src / f"{i:06d}.txt").unlink()
+    summary = prepare_shards(src, tmp_path / "out", load_image_tokenizer(vq_path), shard_size=10, progress=False)
+    assert summary.rows == 3 and len(summary.skipped_items) == 27
+    listing = (tmp_path / "out" / "skipped-train.txt").read_text().splitlines()
+    assert len(listing) == 27 and "000029.png\tmissing caption (.txt)" in listing
+    assert f"all 27 listed in {tmp_path / 'out' / 'skipped-train.txt'}" in summary.format()
+    assert summary.format().count(": missing caption (.txt)") == 18  # 20 named: 000003 and 000006-000022

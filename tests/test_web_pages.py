@@ -124,11 +124,11 @@ def run(tmp_path):
     save_file({"state": np.zeros(4, dtype=np.float32)}, str(ckpt / "optimizer.safetensors"))
     (ckpt / "config.json").write_text(json.dumps({"step": 10}))
     (run_dir / "samples" / "step-0000010").mkdir(parents=True)
-    for i, (prompt, held_out) in enumerate([("a large red circle in the middle", False),
-                                            ("a large red triangle in the middle", True), (EVIL_PROMPT, False)]):
+    for i, (prompt, tag) in enumerate([("a large red circle in the middle", "seen"),
+                                       ("a large red triangle in the middle", "held-out"), (EVIL_PROMPT, "seen")]):
         (run_dir / "samples" / "step-0000010" / f"{i}.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes([i]) * 16)
         store.record_sample(checkpoint="step-0000010", epoch=10, prompt=prompt,
-                            path=f"samples/step-0000010/{i}.png", held_out=held_out)
+                            path=f"samples/step-0000010/{i}.png", tag=tag)
 
     def client(auth_mode: str = "open") -> TestClient:
         app = create_app(run_dir, store=store, public_url=URL,

@@ -57,6 +57,16 @@ def register(subparsers) -> None:
                    help="rate limit on token requests per API key (per client address without a valid key)")
     p.add_argument("--samples-every", type=int, default=1, metavar="N",
                    help="generate gallery samples from every N-th checkpoint (0: never)")
+    p.add_argument("--sample-prompts", default=None, metavar="FILE",
+                   help="prompts of the gallery samples: one a line, optionally tagged ('[held-out] a blue "
+                        "apple'); default: the shapes data's seen and held-out prompts, or for other data "
+                        "the first captions of its valid split, drawn next to their real images")
+    p.add_argument("--text-tokenizer", default=None, metavar="FILE",
+                   help="the run's text tokenizer (a tokenizers JSON file, `crowdtrain tokenizer train-text`); "
+                        "default: the shipped one for the shapes captions")
+    p.add_argument("--image-tokenizer", default=None, metavar="FILE",
+                   help="the image tokenizer the shards were made with (.safetensors, `crowdtrain tokenizer "
+                        "train`, or a VQGAN); default: the shipped one the shards record")
     p.set_defaults(handler=_coordinator)
 
     u = subparsers.add_parser(
@@ -82,7 +92,8 @@ def _coordinator(args) -> int:
         swarm_preset=args.swarm_preset, swarm_overrides=parse_overrides(args.swarm, flag="--swarm"),
         model_overrides=parse_overrides(args.model, flag="--model"), db=args.db, auth=args.auth,
         token_lifetime_s=args.token_lifetime_s, token_requests_per_minute=args.token_requests_per_minute,
-        samples_every_checkpoints=args.samples_every)
+        samples_every_checkpoints=args.samples_every, sample_prompts=args.sample_prompts,
+        text_tokenizer=args.text_tokenizer, image_tokenizer=args.image_tokenizer)
     return run_coordinator(config)
 
 

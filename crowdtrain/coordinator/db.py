@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from sqlalchemy import (Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, case, create_engine,
-                        event, func, select, update)
+                        event, func, inspect, select, update)
+from sqlalchemy import text as sql
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -117,8 +118,11 @@ class Sample(Base):
     epoch: Mapped[int] = mapped_column(Integer)
     prompt: Mapped[str] = mapped_column(Text)
     path: Mapped[str] = mapped_column(Text)  # relative to the run folder
-    held_out: Mapped[bool] = mapped_column(Boolean, default=False)
+    held_out: Mapped[bool] = mapped_column(Boolean, default=False)  # tag == "held-out" (the API's field)
     time: Mapped[float] = mapped_column(Float)
+    # The prompt's label (crowdtrain.data.sample_prompts), e.g. seen / held-out; None: no label.
+    tag: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    reference: Mapped[bool] = mapped_column(Boolean, default=False)  # the image's first tile is the real one
 
 
 class Counter(Base):
@@ -186,7 +190,20 @@ class Store:
                 cursor.execute("PRAGMA synchronous=NORMAL")
                 cursor.close()
         Base.metadata.create_all(self.engine)
+        self._add_missing_columns()
         self.session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def _add_missing_columns(self) -> None:
+        """Columns added since a database was created (create_all makes missing tables only):
+        a restarted coordinator keeps its old database and every row in it."""
+        present = {c["name"] for c in inspect(self.engine).get_columns("samples")}
+        with self.engine.begin() as conn:
+            if "tag" not in present:
+                conn.execute(sql("ALTER TABLE samples ADD COLUMN tag VARCHAR(64)"))
+                # Rows from before were all the shapes run's seen and held-out prompts.
+                conn.execute(sql("UPDATE samples SET tag = CASE WHEN held_out THEN 'held-out' ELSE 'seen' END"))
+            if "reference" not in present:
+                conn.execute(sql("ALTER TABLE samples ADD COLUMN reference BOOLEAN NOT NULL DEFAULT FALSE"))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -344,10 +361,11 @@ class Store:
             for row in s.scalars(select(Checkpoint).where(Checkpoint.name.not_in(kept))):
                 row.pruned = True
 
-    def record_sample(self, *, checkpoint: str, epoch: int, prompt: str, path: str, held_out: bool) -> None:
+    def record_sample(self, *, checkpoint: str, epoch: int, prompt: str, path: str, tag: str | None = None,
+                      reference: bool = False) -> None:
         with self.session.begin() as s:
-            s.add(Sample(checkpoint=checkpoint, epoch=epoch, prompt=prompt, path=path, held_out=held_out,
-                         time=time.time()))
+            s.add(Sample(checkpoint=checkpoint, epoch=epoch, prompt=prompt, path=path, held_out=tag == "held-out",
+                         tag=tag, reference=reference, time=time.time()))
 
     # ---- what the pages show --------------------------------------------------------------------
     def swarm_history(self, *, since: float = 0.0, limit: int = 5000) -> list[dict]:
@@ -432,4 +450,5 @@ class Store:
         with self.session() as s:
             rows = s.scalars(select(Sample).order_by(Sample.epoch.desc(), Sample.id).limit(limit)).all()
             return [{"checkpoint": r.checkpoint, "epoch": r.epoch, "prompt": r.prompt, "path": r.path,
-                     "held_out": r.held_out, "time": r.time} for r in rows]
+                     "held_out": r.held_out, "tag": r.tag, "reference": bool(r.reference), "time": r.time}
+                    for r in rows]

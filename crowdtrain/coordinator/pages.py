@@ -15,6 +15,7 @@ No torch here, as in the rest of ``coordinator/``.
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +26,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from crowdtrain.coordinator.db import Store
+from crowdtrain.data.sample_prompts import load_run_prompts
 from crowdtrain.coordinator.service import CHECKPOINT_FILES, run_status
 
 HERE = Path(__file__).resolve().parent
@@ -224,7 +226,10 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
             files = [{"name": f, "size": (folder / f).stat().st_size if (folder / f).is_file() else None}
                      for f in FILE_ORDER if f in ckpt["files"]]
             rows.append({**ckpt, "downloads": files})
-        return render(request, "checkpoints.html", "/checkpoints", checkpoints=rows)
+        prompts = load_run_prompts(run_dir) or []
+        example = prompts[0]["prompt"] if prompts and isinstance(prompts[0], dict) else None
+        return render(request, "checkpoints.html", "/checkpoints", checkpoints=rows,
+                      example_prompt=shlex.quote(str(example or "YOUR PROMPT")))  # captions are strangers' text
 
     @router.get("/samples", response_class=HTMLResponse)
     def samples(request: Request):
@@ -233,7 +238,11 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
             group = groups.setdefault(s["checkpoint"], {"checkpoint": s["checkpoint"], "epoch": s["epoch"],
                                                         "time": s["time"], "items": []})
             group["items"].append({**s, "url": f"/files/{s['path']}"})
-        return render(request, "samples.html", "/samples", groups=list(groups.values())[:6])
+        shown = list(groups.values())[:6]
+        items = [s for g in shown for s in g["items"]]
+        return render(request, "samples.html", "/samples", groups=shown,
+                      composition_tags=any(s["tag"] in ("seen", "held-out") for s in items),
+                      with_reference=any(s["reference"] for s in items))
 
     @router.get("/join", response_class=HTMLResponse)
     def join(request: Request):

@@ -23,6 +23,7 @@ from pathlib import Path
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.ports import Port, check_ports, cmdline, parent_pid
 from crowdtrain.coordinator.tokens import CoordinatorKey
+from crowdtrain.data.sample_prompts import RUN_FILE as RUN_PROMPTS_FILE
 from crowdtrain.lifecycle import die_with_parent, exit_on_signals
 from crowdtrain.model.config import get_preset
 from crowdtrain.swarm.config import SwarmConfig, demo_swarm_config, laptop_swarm_config
@@ -58,6 +59,7 @@ class CoordinatorConfig:
     token_lifetime_s: float = 600.0  # a revoked user's peers are out within this time
     token_requests_per_minute: int = 120  # per API key (per address without one), on /api/token
     samples_every_checkpoints: int = 1  # gallery images from every N-th checkpoint (0: never)
+    sample_prompts: str | None = None  # a prompts file (crowdtrain.data.sample_prompts); default: from the data
 
     def __post_init__(self):
         if self.auth not in ("open", "allowlist"):
@@ -77,6 +79,12 @@ class CoordinatorConfig:
         self.identity = self.identity or str(Path(self.run_dir) / "identity.key")
         self.checkpoint_dir = self.checkpoint_dir or str(Path(self.run_dir) / "checkpoints")
         self.db = self.db or default_url(self.run_dir)
+        for flag, path in (("--text-tokenizer", self.text_tokenizer), ("--image-tokenizer", self.image_tokenizer)):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"{flag} {path}: no such file")
+        if self.sample_prompts is not None:
+            from crowdtrain.data.sample_prompts import read_prompt_file
+            read_prompt_file(self.sample_prompts)  # a bad file stops the start, before anything is created
 
     @property
     def key_path(self) -> Path:
@@ -140,6 +148,9 @@ def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
         else None
     if layout is not None and not {"image_vocab_size", "image_code_factors"} & set(config.model_overrides):
         model = dataclasses.replace(model, image_vocab_size=layout[0], image_code_factors=layout[1])
+    if needs_tokenizer:
+        check_tokenizers_fit(model, text_tokenizer=text_tokenizer, image_tokenizer=image_tokenizer, layout=layout,
+                             shards_dir=shards_dir, explicit_image_tokenizer=config.image_tokenizer is not None)
     assets = {}
     if text_tokenizer.is_file():
         assets["text_tokenizer.json"] = str(text_tokenizer)
@@ -155,10 +166,79 @@ def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
         "assets": assets,
         "db_url": config.db,
         "samples_every_checkpoints": config.samples_every_checkpoints,
+        "sample_prompts": sample_prompts_for(config, shards_dir) if needs_tokenizer else [],
         "auth": {"mode": config.auth, "key_path": str(config.key_path.resolve()),
                  "coordinator_public_key": CoordinatorKey.load_or_create(config.key_path).public_key.decode(),
                  "token_url": f"{config.url}/api/token", "token_lifetime_s": config.token_lifetime_s},
     }
+
+
+def text_vocab_size(path: Path) -> int:
+    """Token ids a tokenizers JSON file can produce (its largest id + 1)."""
+    try:
+        data = json.loads(path.read_text())
+        vocab = data["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [int(t["id"]) for t in data.get("added_tokens") or []]
+        return max(ids) + 1
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--text-tokenizer {path} is not a tokenizers JSON file ({type(e).__name__}: {e}); make one "
+                         "with `crowdtrain tokenizer train-text`") from e
+
+
+def check_tokenizers_fit(model, *, text_tokenizer: Path, image_tokenizer: Path, layout, shards_dir: Path | None,
+                         explicit_image_tokenizer: bool) -> None:
+    """Refuse a run whose tokenizers or shards the model cannot read, naming the setting to change."""
+    n_text = text_vocab_size(text_tokenizer)
+    if n_text > model.text_vocab_size:
+        raise ValueError(f"the text tokenizer {text_tokenizer} has {n_text} tokens but the model reads "
+                         f"{model.text_vocab_size}: add --model text_vocab_size={n_text}")
+    if layout is None and explicit_image_tokenizer:
+        raise ValueError(f"--image-tokenizer {image_tokenizer} carries no crowdtrain tokenizer metadata, so its "
+                         "codebook is unknown: make it with `crowdtrain tokenizer train` or `crowdtrain tokenizer "
+                         "convert` (a taming VQGAN)")
+    if layout is not None and layout[0] != model.image_vocab_size:
+        raise ValueError(f"the image tokenizer {image_tokenizer} has {layout[0]} codes but the model draws "
+                         f"{model.image_vocab_size}: use --model image_vocab_size={layout[0]} (or leave "
+                         "image_vocab_size unset: it follows the tokenizer)")
+    if layout is not None and layout[1] != model.image_code_factors:
+        fix = "null" if layout[1] is None else json.dumps(list(layout[1]))
+        raise ValueError(f"the image tokenizer {image_tokenizer} has code factors {layout[1]} but the model "
+                         f"{model.image_code_factors}: use --model image_code_factors={fix}")
+    recorded = (read_shards_manifest(shards_dir) or {}).get("image_tokenizer") or {}
+    grid = recorded.get("grid")
+    if grid and tuple(grid) != (model.image_height, model.image_width):
+        raise ValueError(f"the shards in {shards_dir} hold {grid[0]}x{grid[1]} codes per image but the model draws "
+                         f"{model.image_height}x{model.image_width}: add --model image_height={grid[0]} "
+                         f"--model image_width={grid[1]}")
+    if recorded.get("vocab_size") and layout is not None and recorded["vocab_size"] != layout[0]:
+        raise ValueError(f"the shards in {shards_dir} were coded with a {recorded['vocab_size']}-code "
+                         f"{recorded.get('kind', '')} tokenizer, but the run's image tokenizer {image_tokenizer} "
+                         f"has {layout[0]} codes: pass --image-tokenizer FILE, the one the shards were made with")
+
+
+def read_shards_manifest(shards_dir: Path | None) -> dict | None:
+    try:
+        manifest = json.loads((shards_dir / "shards.json").read_text())
+    except (TypeError, OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def sample_prompts_for(config: CoordinatorConfig, shards_dir: Path | None) -> list[dict]:
+    """What the gallery draws (crowdtrain.data.sample_prompts): the organizer's file, the shapes
+    evaluation prompts for the shapes data, else captions of the data's valid split."""
+    from crowdtrain.data import sample_prompts
+
+    if config.sample_prompts is not None:
+        return sample_prompts.read_prompt_file(config.sample_prompts)
+    if config.data == "shapes" or (shards_dir is not None and (shards_dir / "demo.json").is_file()):
+        return sample_prompts.shapes_prompts()
+    try:
+        return sample_prompts.data_prompts(shards_dir or config.data)
+    except Exception as e:  # the data may be remote and down: the run starts, without a gallery
+        logger.warning("no sample prompts: %s. The gallery stays empty; pass --sample-prompts FILE", e)
+        return []
 
 
 def resolve_shards(config: CoordinatorConfig) -> Path | None:
@@ -323,6 +403,8 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     shards_dir = resolve_shards(config)
     spec = build_spec(config, shards_dir)
     (run_dir / "coordinator.json").write_text(json.dumps(spec, indent=2))
+    (run_dir / RUN_PROMPTS_FILE).write_text(json.dumps(
+        [{k: v for k, v in p.items() if k != "reference"} for p in spec["sample_prompts"]], indent=1))
     _end_leftover_aux(run_dir)
     _end_orphans_of_aux(run_dir)
     for stale in ("run.json", "status.json"):  # from a previous start: the new aux peer rewrites them

@@ -39,6 +39,7 @@ MANIFEST = "shards.json"
 FORMAT = "crowdtrain-shards/1"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 COLUMNS = ("caption", "code", "original_width", "original_height", "NSFW", "url")
+SKIPPED_SHOWN = 20  # skipped files named in the summary; more go to skipped-{split}.txt
 
 
 def shard_schema():
@@ -187,6 +188,8 @@ class PrepareSummary:
     shards_resumed: int = 0
     rows: int = 0
     skipped: Counter = field(default_factory=Counter)
+    skipped_items: list = field(default_factory=list)  # [source, reason] of each skipped item
+    skipped_file: Path | None = None  # where all of them are listed when there are many
 
     def format(self) -> str:
         lines = [f"{self.out}: {self.rows} rows in {self.shards_written + self.shards_resumed} shards "
@@ -194,6 +197,10 @@ class PrepareSummary:
         if self.skipped:
             lines.append(f"skipped {sum(self.skipped.values())} items:")
             lines += [f"  {n:6d}  {reason}" for reason, n in self.skipped.most_common()]
+            shown = self.skipped_items[:SKIPPED_SHOWN]
+            lines += [f"  {source}: {reason}" for source, reason in shown]
+            if self.skipped_file is not None:
+                lines.append(f"  ... all {len(self.skipped_items)} listed in {self.skipped_file}")
         else:
             lines.append("skipped nothing")
         return "\n".join(lines)
@@ -235,6 +242,7 @@ def prepare_shards(source, out_dir, tokenizer, *, split: str = "train", shard_si
         summary.shards_resumed += 1
         summary.rows += s["rows"]
         summary.skipped.update(s["skipped"])
+        summary.skipped_items += s.get("skipped_items", [])
     if done:
         logger.info("resuming: %d finished shard(s) of %s in %s", len(done), split, out)
 
@@ -245,16 +253,19 @@ def prepare_shards(source, out_dir, tokenizer, *, split: str = "train", shard_si
     def finish_shard(index: int, buffer: list[Item]) -> None:
         if index in done:
             return
-        rows, skipped = _encode_items(buffer, tokenizer, batch_size=batch_size, nsfw_default=nsfw_default)
+        rows, skipped, skipped_items = _encode_items(buffer, tokenizer, batch_size=batch_size,
+                                                     nsfw_default=nsfw_default)
         name = f"{split}-{index:05d}.parquet"
         n = write_shard(out / name, rows)
-        entry = {"index": index, "file": name, "rows": n, "skipped": dict(skipped), "shard_size": shard_size}
+        entry = {"index": index, "file": name, "rows": n, "skipped": dict(skipped), "skipped_items": skipped_items,
+                 "shard_size": shard_size}
         entries = [e for e in manifest["splits"].get(split, []) if e["index"] != index] + [entry]
         manifest["splits"][split] = sorted(entries, key=lambda e: e["index"])
         _write_json(manifest_path, manifest)
         summary.shards_written += 1
         summary.rows += n
         summary.skipped.update(skipped)
+        summary.skipped_items += skipped_items
 
     for item in item_iter:
         buffer.append(item)
@@ -269,6 +280,11 @@ def prepare_shards(source, out_dir, tokenizer, *, split: str = "train", shard_si
         finish_shard(index, buffer)
         bar.update(len(buffer))
     bar.close()
+    listing = out / f"skipped-{split}.txt"
+    listing.unlink(missing_ok=True)
+    if len(summary.skipped_items) > SKIPPED_SHOWN:
+        listing.write_text("".join(f"{source}\t{reason}\n" for source, reason in summary.skipped_items))
+        summary.skipped_file = listing
     return summary
 
 
@@ -279,13 +295,16 @@ def _encode_items(items: list[Item], tokenizer, *, batch_size: int, nsfw_default
 
     rows = {c: [] for c in COLUMNS}
     skipped: Counter = Counter()
+    named = []  # [source, reason]: what the summary lists
     ready = []  # (item, fitted image, original size)
     for item in items:
         if item.error:
             skipped[item.error] += 1
+            named.append([item.source, item.error])
             continue
         if not item.caption:
             skipped["empty caption"] += 1
+            named.append([item.source, "empty caption"])
             continue
         if item.image is not None:
             ready.append((item, np.asarray(fit_image(Image.fromarray(item.image), tokenizer.image_size)),
@@ -299,7 +318,7 @@ def _encode_items(items: list[Item], tokenizer, *, batch_size: int, nsfw_default
                 fitted = np.asarray(fit_image(im, tokenizer.image_size))
         except Exception as e:  # PIL raises many types for broken files
             skipped[f"unreadable image ({type(e).__name__})"] += 1
-            logger.debug("skipping %s: %s", item.source, e)
+            named.append([item.source, f"unreadable image ({type(e).__name__}: {str(e)[:200]})"])
             continue
         ready.append((item, fitted, size))
     for i in range(0, len(ready), batch_size):
@@ -312,7 +331,7 @@ def _encode_items(items: list[Item], tokenizer, *, batch_size: int, nsfw_default
             rows["original_height"].append(h)
             rows["NSFW"].append(item.nsfw or nsfw_default)
             rows["url"].append(item.source)
-    return rows, skipped
+    return rows, skipped, named
 
 
 def _write_json(path: Path, obj) -> None:

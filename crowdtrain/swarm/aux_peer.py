@@ -302,13 +302,22 @@ class AuxPeer:
             self.make_samples(path, epoch)
 
     def make_samples(self, checkpoint: Path, epoch: int, per_prompt: int = 4) -> None:
-        """Images for the fixed prompts from this checkpoint, for the samples gallery."""
+        """Images for the run's sample prompts from this checkpoint (crowdtrain.data.sample_prompts),
+        for the gallery: one PNG per prompt, its real image first where the prompt is a caption of
+        the data, and ``prompts.json`` saying which file is which prompt."""
         try:
             from PIL import Image
 
-            from crowdtrain.data import EVAL_PROMPTS
             from crowdtrain.data.generate import Generator, TokenizerMismatch, make_grid
+            from crowdtrain.data.sample_prompts import shapes_prompts
 
+            # A spec written before runs had their own prompts: the shapes run it was.
+            prompts = self.spec.get("sample_prompts") if hasattr(self, "spec") else None
+            prompts = shapes_prompts() if prompts is None else prompts
+            if not prompts:
+                self.samples_possible = False
+                logger.info("no sample images for this run: it has no sample prompts")
+                return
             try:
                 gen = Generator.from_checkpoint(checkpoint)
             except TokenizerMismatch as e:  # e.g. a run on pattern data: no image tokenizer to decode with
@@ -317,16 +326,26 @@ class AuxPeer:
                 return
             folder = self.run_dir / "samples" / checkpoint.name
             folder.mkdir(parents=True, exist_ok=True)
-            prompts = [(p, False) for p in EVAL_PROMPTS["seen"][:3]] + [(p, True) for p in EVAL_PROMPTS["heldout"][:3]]
-            for i, (prompt, held_out) in enumerate(prompts):
-                images = gen.sample(prompt, per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P, temperature=1.0,
-                                    seed=i)[1]
-                grid = make_grid(images, columns=per_prompt)
+            index = []
+            for i, p in enumerate(prompts):
+                images = gen.sample(p["prompt"], per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P,
+                                    temperature=1.0, seed=i)[1]
+                reference = _reference_codes(p.get("reference"), gen.model.config)
+                if reference is not None:
+                    real = gen.image_tokenizer.decode(reference.to(gen.device)).cpu().clone()
+                    for edge in (real[:, 0], real[:, -1], real[:, :, 0], real[:, :, -1]):
+                        edge[:] = torch.tensor([70, 70, 70], dtype=real.dtype)  # a frame: the real one
+                    images = torch.cat([real, images])
+                grid = make_grid(images, columns=len(images))
                 grid = grid.resize((grid.width * 3, grid.height * 3), Image.NEAREST)
                 path = folder / f"{i}.png"
                 grid.save(path)
-                self.store.record_sample(checkpoint=checkpoint.name, epoch=epoch, prompt=prompt,
-                                         path=str(path.relative_to(self.run_dir)), held_out=held_out)
+                index.append({"file": path.name, "prompt": p["prompt"], "tag": p.get("tag"),
+                              "first_is_real_image": reference is not None})
+                self.store.record_sample(checkpoint=checkpoint.name, epoch=epoch, prompt=p["prompt"],
+                                         path=str(path.relative_to(self.run_dir)), tag=p.get("tag"),
+                                         reference=reference is not None)
+            (folder / "prompts.json").write_text(json.dumps(index, indent=1))
             logger.info("samples for %s written to %s", checkpoint.name, folder)
         except Exception as e:  # samples are a nicety: never let them stop the checkpointer
             logger.warning("could not make samples for %s: %r", checkpoint, e)
@@ -352,6 +371,20 @@ class AuxPeer:
         self.keeper.stop()
         self.averager.shutdown()
         self.dht.shutdown()
+
+
+def _reference_codes(codes, config: ModelConfig) -> torch.Tensor | None:
+    """A sample prompt's real image as (1, H, W) codes; None when it has none or they do not fit
+    the model (they come from the run's data, a stranger's file)."""
+    if codes is None:
+        return None
+    try:
+        t = torch.as_tensor(codes, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if t.numel() != config.image_len or t.min() < 0 or t.max() >= config.image_vocab_size:
+        return None
+    return t.view(1, config.image_height, config.image_width)
 
 
 def main(argv: list[str] | None = None) -> int:

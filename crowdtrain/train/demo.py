@@ -247,7 +247,8 @@ def summarize(out: Path, names: list[str]) -> dict:
 
 
 def write_samples(out: Path, per_prompt: int = 4) -> str | None:
-    """A grid of samples from the latest checkpoint: one row per fixed prompt (seen, then held out)."""
+    """A grid of samples from the latest checkpoint: one row per sample prompt of the run (for the
+    shapes data: seen, then held out; for other data: captions, each after its real image)."""
     from crowdtrain.checkpoint import latest_checkpoint
 
     checkpoint = latest_checkpoint(out / "run" / "checkpoints")
@@ -257,19 +258,31 @@ def write_samples(out: Path, per_prompt: int = 4) -> str | None:
     import torch
     from PIL import Image
 
-    from crowdtrain.data import EVAL_PROMPTS
     from crowdtrain.data.generate import Generator, make_grid
+    from crowdtrain.data.sample_prompts import shapes_prompts
     from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
 
+    spec = json.loads((out / "run" / "coordinator.json").read_text())
+    prompts = spec.get("sample_prompts") or shapes_prompts()
     gen = Generator.from_checkpoint(checkpoint)
-    prompts = list(EVAL_PROMPTS["seen"][:3]) + list(EVAL_PROMPTS["heldout"][:3])
-    images = [gen.sample(p, per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P, temperature=1.0, seed=i)[1]
-              for i, p in enumerate(prompts)]
-    grid = make_grid(torch.cat(images), columns=per_prompt)
+    cfg = gen.model.config
+    rows, with_reference = [], any(p.get("reference") is not None for p in prompts)
+    for i, p in enumerate(prompts):
+        images = gen.sample(p["prompt"], per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P, temperature=1.0,
+                            seed=i)[1]
+        if with_reference:  # every row gets a first column: the real image, or a blank tile
+            real = (gen.image_tokenizer.decode(torch.tensor(p["reference"]).view(1, cfg.image_height,
+                                                                                  cfg.image_width)).cpu()
+                    if p.get("reference") is not None else torch.full_like(images[:1], 255))
+            images = torch.cat([real, images])
+        rows.append(images)
+    grid = make_grid(torch.cat(rows), columns=per_prompt + with_reference)
     grid = grid.resize((grid.width * 3, grid.height * 3), Image.NEAREST)
     path = out / "samples.png"
     grid.save(path)
-    (out / "samples.txt").write_text("rows, top to bottom (seen, then held-out compositions):\n" + "\n".join(prompts) + "\n")
+    lines = [f"[{p['tag']}] {p['prompt']}" if p.get("tag") else p["prompt"] for p in prompts]
+    head = "rows, top to bottom" + (" (the first column: the real image with that caption)" if with_reference else "")
+    (out / "samples.txt").write_text(head + ":\n" + "\n".join(lines) + "\n")
     return str(path)
 
 
