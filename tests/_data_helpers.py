@@ -38,3 +38,26 @@ def shard_rows(directory: Path, split: str = "train") -> list[dict]:
 
 def codes_of(blob: bytes) -> tuple[int, ...]:
     return tuple(np.frombuffer(blob, dtype="<i2").tolist())
+
+
+STRIPES = ["red and white stripes", "a blue checkerboard", "a green gradient", "yellow vertical bars"]
+
+
+def stripes_items(num: int, seed: int):
+    """Pictures that are not the shapes data (an organizer's own), with captions."""
+    rng = np.random.default_rng(seed)
+    for i in range(num):
+        image = np.full((64, 64, 3), 255, np.uint8)
+        k = int(rng.integers(len(STRIPES)))
+        image[:: 2 + k] = rng.integers(0, 255, 3, dtype=np.uint8)
+        yield Item(f"stripes/{seed}/{i}.png", image=image, caption=f"{STRIPES[k]} number {i}")
+
+
+def make_stripes_shards(directory: Path, *, train: int = 12, valid: int = 9) -> tuple[Path, Path]:
+    """(shard folder with train and valid splits of stripes, the random VQ that coded them)."""
+    vq = random_vq(directory / "vq.safetensors")
+    tok = load_image_tokenizer(vq)
+    for split, num, seed in (("train", train, 0), ("valid", valid, 1)):
+        prepare_shards(None, directory / "shards", tok, split=split, shard_size=20, progress=False,
+                       items=(stripes_items(num, seed), num))
+    return directory / "shards", vq

@@ -18,35 +18,16 @@ from crowdtrain.coordinator.run import CoordinatorConfig, build_spec, sample_pro
 from crowdtrain.coordinator.service import AuthSettings, create_app
 from crowdtrain.data.image_tokenizer import load_image_tokenizer
 from crowdtrain.data.sample_prompts import data_prompts, read_prompt_file
-from crowdtrain.data.shards import Item, prepare_shards
 from crowdtrain.data.tokenizers import SHAPES_TEXT_TOKENIZER
 from crowdtrain.model.config import get_preset
 from crowdtrain.model.transformer import DalleTransformer
 
-from ._data_helpers import random_vq, shard_rows
-
-STRIPES = ["red and white stripes", "a blue checkerboard", "a green gradient", "yellow vertical bars"]
-
-
-def _stripes(num: int, seed: int):
-    rng = np.random.default_rng(seed)
-    for i in range(num):
-        image = np.full((64, 64, 3), 255, np.uint8)
-        k = int(rng.integers(len(STRIPES)))
-        image[:: 2 + k] = rng.integers(0, 255, 3, dtype=np.uint8)
-        yield Item(f"stripes/{seed}/{i}.png", image=image, caption=f"{STRIPES[k]} number {i}")
-
+from ._data_helpers import make_stripes_shards, shard_rows
 
 @pytest.fixture(scope="module")
 def stripes(tmp_path_factory):
     """A non-shapes shard folder (train and valid) and the VQ it was coded with."""
-    d = tmp_path_factory.mktemp("stripes")
-    vq = random_vq(d / "vq.safetensors")
-    tok = load_image_tokenizer(vq)
-    for split, num, seed in (("train", 12, 0), ("valid", 9, 1)):
-        prepare_shards(None, d / "shards", tok, split=split, shard_size=20, progress=False,
-                       items=(_stripes(num, seed), num))
-    return d / "shards", vq
+    return make_stripes_shards(tmp_path_factory.mktemp("stripes"))
 
 
 def test_a_prompts_file_takes_one_prompt_a_line_with_optional_tags(tmp_path):

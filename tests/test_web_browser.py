@@ -170,23 +170,19 @@ def test_every_page_loads_from_the_nav_and_works_without_javascript(trained, bro
     context.close()
 
 
-@pytest.fixture
-def starting_coordinator(tmp_path):
-    """The coordinator's app on a run that has not started yet, served by uvicorn in a thread:
-    the API docs need no training."""
+def serve_app(run_dir: Path, store):
+    """The coordinator's app for ``run_dir`` served by uvicorn in a thread: (url, stop)."""
     import threading
     import time
 
     import uvicorn
 
-    from crowdtrain.coordinator.db import Store
     from crowdtrain.coordinator.service import AuthSettings, create_app
     from tests.swarm_harness import free_port
 
-    store = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
     port = free_port()
-    app = create_app(tmp_path / "run", store=store, public_url=f"http://127.0.0.1:{port}",
-                     auth=AuthSettings(key_path=tmp_path / "k.pem"))
+    app = create_app(run_dir, store=store, public_url=f"http://127.0.0.1:{port}",
+                     auth=AuthSettings(key_path=run_dir.parent / "k.pem"))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -194,10 +190,71 @@ def starting_coordinator(tmp_path):
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=10)
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.fixture
+def starting_coordinator(tmp_path):
+    """The coordinator's app on a run that has not started yet: the API docs need no training."""
+    from crowdtrain.coordinator.db import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
+    url, stop = serve_app(tmp_path / "run", store)
+    yield url
+    stop()
     store.close()
+
+
+def test_samples_of_a_run_on_own_images_show_its_captions_after_their_real_images(tmp_path, browser):
+    """A run on data that is not the shapes set: /samples shows the captions of its valid split,
+    each row's images after the real one, and no seen/held-out label (the run cannot know them)."""
+    import torch
+
+    from crowdtrain.checkpoint import save_checkpoint
+    from crowdtrain.coordinator.db import Store
+    from crowdtrain.coordinator.run import CoordinatorConfig, build_spec
+    from crowdtrain.data.tokenizers import SHAPES_TEXT_TOKENIZER
+    from crowdtrain.model.transformer import DalleTransformer
+    from crowdtrain.swarm.aux_peer import AuxPeer
+    from tests._data_helpers import make_stripes_shards
+
+    shards, vq = make_stripes_shards(tmp_path)
+    run_dir = tmp_path / "run"
+    spec = build_spec(CoordinatorConfig(run_dir=str(run_dir), data=str(shards), image_tokenizer=str(vq),
+                                        preset="tiny", model_overrides={"text_len": 16, "text_vocab_size": 128}),
+                      shards)
+    store = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
+    aux = AuxPeer.__new__(AuxPeer)  # the checkpointer's sampling part, on the run's real spec
+    aux.run_dir, aux.samples_possible, aux.spec, aux.store = run_dir, True, spec, store
+    from crowdtrain.model.config import ModelConfig
+    aux.model_config = ModelConfig.from_dict(spec["task"]["model"])
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(run_dir / "checkpoints" / "step-0000002", DalleTransformer(aux.model_config), step=2,
+                           assets={"text_tokenizer.json": SHAPES_TEXT_TOKENIZER, "image_tokenizer.safetensors": vq})
+    store.record_checkpoint(name=ckpt.name, epoch=2, loss=3.0, files=["config.json", "model.safetensors"])
+    aux.make_samples(ckpt, epoch=2)
+    url, stop = serve_app(run_dir, store)
+    try:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(f"{url}/samples")
+        captions = page.locator("figure.sample figcaption").all_inner_texts()
+        assert [c.strip() for c in captions] == [p["prompt"] for p in spec["sample_prompts"]]
+        assert len(captions) == 6 and all("number" in c for c in captions)  # the stripes captions
+        assert page.locator(".badge").count() == 0 and "never saw" not in page.content()
+        assert "the first picture of its row, framed, is the real image" in page.inner_text("main")
+        # Every image arrived and holds five tiles: the real one, then four samples.
+        sizes = page.locator("figure.sample img").evaluate_all(
+            "imgs => imgs.map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        assert sizes == [[True, 3 * (5 * 66 + 2), 3 * 68]] * 6
+        context.close()
+    finally:
+        stop()
+        store.close()
 
 
 def test_api_docs_render_with_every_request_outside_the_coordinator_blocked(starting_coordinator, browser):
