@@ -39,7 +39,14 @@ def test_generate_cli_writes_best_of_n_grid(checkpoint, tmp_path, capsys):
     rc = main(["generate", "--checkpoint", str(checkpoint), PROMPT, "--num-samples", "8", "--keep", "3",
                "--seed", "1", "--out", str(out)])
     assert rc == 0
-    assert "best 3 of 8 by likelihood" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "best 3 of 8 by likelihood" in said.out
+    # Before it starts, which re-ranker and why; while it runs, a progress bar with the time left.
+    assert "keeping the best 3 by likelihood: no --clip DIR given, so the model's own likelihood" in said.out
+    assert "sampling: 100%" in said.err and "8/8" in said.err
+    rc = main(["generate", "--checkpoint", str(checkpoint), PROMPT, "--num-samples", "4", "--keep", "2",
+               "--rerank", "none", "--out", str(tmp_path / "raw.png")])
+    assert rc == 0 and "by none: --rerank none: the first samples drawn" in capsys.readouterr().out
     grid = Image.open(out)
     assert grid.size == (4 * (3 * 66 + 2), 4 * (66 + 2))  # 3 tiles of 64 px with 2 px gaps, 4x upscaled
 

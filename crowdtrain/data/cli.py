@@ -235,7 +235,8 @@ def _generate(args) -> int:
     cfg = GenerateConfig(num_samples=args.num_samples, keep=args.keep, top_k=top_k, top_p=top_p,
                          temperature=args.temperature, seed=args.seed, batch_size=args.batch_size,
                          rerank=args.rerank, clip_dir=args.clip)
-    result = generate_grid(args.checkpoint, " ".join(args.prompt), cfg, out=args.out, device=args.device)
+    result = generate_grid(args.checkpoint, " ".join(args.prompt), cfg, out=args.out, device=args.device,
+                           progress=True, say=lambda line: print(line, flush=True))
     print(f"wrote {args.out}: best {len(result['scores'])} of {args.num_samples} by {result['reranker']} "
           f"(scores {', '.join(f'{s:.3f}' for s in result['scores'])})")
     return 0

@@ -64,16 +64,21 @@ class Generator:
         return self.text_tokenizer.encode_batch([prompt], self.model.config.text_len).to(self.device)
 
     def sample(self, prompt: str, num: int, *, top_k: int | None = DEFAULT_TOP_K, top_p: float | None = DEFAULT_TOP_P,
-               temperature: float = 1.0, seed: int, batch_size: int = 32):
-        """``num`` samples -> (codes (num, h, w), images (num, H, W, 3) uint8)."""
+               temperature: float = 1.0, seed: int, batch_size: int = 32, progress: bool = False):
+        """``num`` samples -> (codes (num, h, w), images (num, H, W, 3) uint8). ``progress``: a
+        bar on stderr with the time left, one tick per sample of each finished batch."""
+        from tqdm import tqdm
+
         from crowdtrain.model.sampling import generate_images
 
         text = self.text_ids(prompt)
         codes = []
-        for i, start in enumerate(range(0, num, batch_size)):
-            n = min(batch_size, num - start)
-            codes.append(generate_images(self.model, text.expand(n, -1), temperature=temperature, top_k=top_k,
-                                         top_p=top_p, seed=seed * 100_003 + i).cpu())
+        with tqdm(total=num, desc="sampling", unit="img", disable=not progress) as bar:
+            for i, start in enumerate(range(0, num, batch_size)):
+                n = min(batch_size, num - start)
+                codes.append(generate_images(self.model, text.expand(n, -1), temperature=temperature, top_k=top_k,
+                                             top_p=top_p, seed=seed * 100_003 + i).cpu())
+                bar.update(n)
         codes = torch.cat(codes)
         return codes, self.image_tokenizer.decode(codes)
 
@@ -93,18 +98,23 @@ def make_grid(images: torch.Tensor, *, columns: int | None = None, pad: int = 2)
 
 
 def generate_grid(checkpoint, prompt: str, config: GenerateConfig, *, out, device: str = "cpu",
-                  scale: int = 4) -> dict:
-    """Sample, re-rank, write the best ``config.keep`` to ``out`` (PNG, upscaled ``scale`` x)."""
+                  scale: int = 4, progress: bool = False, say=None) -> dict:
+    """Sample, re-rank, write the best ``config.keep`` to ``out`` (PNG, upscaled ``scale`` x).
+    ``say``: called with a line saying which re-ranker runs and why, before sampling starts."""
     from PIL import Image
 
-    from crowdtrain.data.rerank import make_reranker
+    from crowdtrain.data.rerank import make_reranker, reranker_reason
 
     if not prompt.strip():
         raise ValueError("give a prompt, e.g. crowdtrain generate --checkpoint CKPT \"a small red circle\"")
     gen = Generator.from_checkpoint(checkpoint, device=device)
     reranker = make_reranker(config.rerank, model=gen.model, clip_dir=config.clip_dir, device=device)
+    reason = reranker_reason(config.rerank, config.clip_dir)
+    if say is not None:
+        say(f"drawing {config.num_samples} samples, keeping the best {config.keep} by {reranker.name}: {reason}")
     codes, images = gen.sample(prompt, config.num_samples, top_k=config.top_k, top_p=config.top_p,
-                               temperature=config.temperature, seed=config.seed, batch_size=config.batch_size)
+                               temperature=config.temperature, seed=config.seed, batch_size=config.batch_size,
+                               progress=progress)
     scores = reranker.scores(prompt, images, codes, gen.text_ids(prompt))
     order = torch.argsort(scores, descending=True, stable=True)[: config.keep]
     grid = make_grid(images[order], columns=min(config.keep, 4))
@@ -113,5 +123,5 @@ def generate_grid(checkpoint, prompt: str, config: GenerateConfig, *, out, devic
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     grid.save(out)
-    return {"out": str(out), "reranker": reranker.name, "scores": [float(scores[i]) for i in order],
+    return {"out": str(out), "reranker": reranker.name, "reason": reason, "scores": [float(scores[i]) for i in order],
             "indices": [int(i) for i in order]}

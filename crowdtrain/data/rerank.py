@@ -117,6 +117,17 @@ class ClipReranker(Reranker):
         return torch.cat(out)
 
 
+def reranker_reason(kind: str, clip_dir: str | None) -> str:
+    """Why ``make_reranker(kind, clip_dir=...)`` picks what it picks, in words for the user."""
+    if kind == "none":
+        return "--rerank none: the first samples drawn, as the model makes them"
+    if kind == "clip" or (kind == "auto" and clip_dir):
+        return f"CLIP ({clip_dir}) scores how well each image matches the prompt, as the paper did"
+    likelihood = ("the model's own likelihood of each sample, which favours flat, simple images early in "
+                  "training; --rerank none shows raw samples, --clip DIR ranks by CLIP")
+    return ("no --clip DIR given, so " if kind == "auto" else "--rerank likelihood: ") + likelihood
+
+
 def make_reranker(kind: str, *, model=None, clip_dir: str | None = None, device: str = "cpu") -> Reranker:
     """``auto`` = ``clip`` when ``clip_dir`` is given, else ``likelihood``."""
     if kind == "auto":
