@@ -190,3 +190,31 @@ def test_prepare_lists_every_skipped_file_in_a_file_when_there_are_many(tmp_path
     assert len(listing) == 27 and "000029.png\tmissing caption (.txt)" in listing
     assert f"all 27 listed in {tmp_path / 'out' / 'skipped-train.txt'}" in summary.format()
     assert summary.format().count(": missing caption (.txt)") == 18  # 20 named: 000003 and 000006-000022
+
+
+def test_prepare_reports_how_well_the_tokenizer_keeps_the_images_and_warns_when_poorly(tmp_path, capsys):
+    from crowdtrain.cli import main
+
+    shapes_dir = tmp_path / "shapes"
+    shapes.write_shapes_folder(shapes_dir, num=6, seed=2, progress=False)
+    assert main(["data", "prepare", "--input", str(shapes_dir), "--out", str(tmp_path / "a"),
+                 "--image-tokenizer", "shapes"]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer fit: exact, mean error 0.0/255 on 6 of your images" in out and "WARNING" not in out
+    # Gradients in colours the palette does not have: the palette codes lose them.
+    grads = tmp_path / "gradients"
+    grads.mkdir()
+    ramp = np.linspace(0, 255, 64, dtype=np.uint8)
+    for i in range(5):
+        image = np.stack([np.tile(ramp, (64, 1)), np.tile(ramp[:, None], (1, 64)), np.full((64, 64), 40 * i, np.uint8)],
+                         axis=-1)
+        Image.fromarray(image).save(grads / f"{i}.png")
+        (grads / f"{i}.txt").write_text(f"a gradient number {i}")
+    assert main(["data", "prepare", "--input", str(grads), "--out", str(tmp_path / "b"),
+                 "--image-tokenizer", "shapes"]) == 0
+    out = capsys.readouterr().out
+    psnr = float(out.split("tokenizer fit: PSNR ")[1].split(" dB")[0])
+    assert psnr < 22 and "WARNING: the image tokenizer (shapes) loses much of your images" in out
+    assert "crowdtrain tokenizer train --data DIR" in out
+    sheet = Image.open(tmp_path / "b" / "fit_report.png")
+    assert sheet.size == (2 * 8 * 66, 2 * (2 * 64 + 6))  # 5 pairs on one row of 8, at 2x

@@ -20,7 +20,7 @@ from tests._data_helpers import codes_of, make_shards, random_vq, shard_rows
 from crowdtrain.data.config import StreamConfig
 from crowdtrain.data.http_server import serve_directory
 from crowdtrain.data.shards import codes_to_bytes, shard_schema
-from crowdtrain.data.streaming import batch_stream, keep_row, stable_seed
+from crowdtrain.data.streaming import DataSourceUnavailable, batch_stream, keep_row, stable_seed
 from crowdtrain.data.tokenizers import train_text_tokenizer
 from crowdtrain.model.config import get_preset
 
@@ -386,6 +386,35 @@ def test_a_source_down_longer_than_the_patience_ends_the_stream_with_a_clear_err
             next(stream)
         assert 3.0 <= time.monotonic() - t0 < 15, "gives up after the patience, not before and not much later"
         assert stream.stats.retries >= 2 and stream.stats.shards_failed == 0
+    finally:
+        server.close()
+
+
+def test_a_stream_opened_while_the_source_is_down_waits_for_its_manifest(shards, text_tok):
+    """A volunteer starting during a coordinator restart: the shard list is retried, not fatal."""
+    good = Counter(codes_of(r["code"]) for r in shard_rows(shards))
+    server = _FlakyServer(shards)
+    try:
+        server.down_for = 3  # the manifest answers 503 three times
+        stream = _outage_stream(server.url, text_tok)
+        images = [codes_of(x.numpy().astype("<i2").tobytes()) for _ in range(5) for x in next(stream)["image"]]
+        assert server.refused == 3 and Counter(images) == good
+        server.refused, server.down_for = 0, 10**9  # and one that never comes back
+        t0 = time.monotonic()
+        with pytest.raises(DataSourceUnavailable, match=r"has not answered for \d+ s .*503.*outage_patience_s = 3 s"):
+            _outage_stream(server.url, text_tok, outage_patience_s=3.0)
+        assert 2.0 <= time.monotonic() - t0 < 10 and server.refused >= 3
+    finally:
+        server.close()
+
+
+def test_a_source_without_a_manifest_is_refused_at_once_not_waited_for(tmp_path, text_tok):
+    server = _FlakyServer(tmp_path)  # answers, but has no shards.json: 404 is about the data
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="HTTP Error 404.*crowdtrain data serve") as refused:
+            _outage_stream(server.url, text_tok)
+        assert not isinstance(refused.value, DataSourceUnavailable) and time.monotonic() - t0 < 2
     finally:
         server.close()
 

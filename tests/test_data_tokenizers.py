@@ -45,6 +45,27 @@ def test_small_vq_training_is_deterministic_and_learns(tmp_path):
     assert reconstruction_report(longer, images)["mse"] < reconstruction_report(a, images)["mse"]
 
 
+def test_an_interrupted_tokenizer_training_continues_where_it_stopped_and_ends_the_same(tmp_path):
+    from crowdtrain.data.vq_train import TrainingInterrupted
+
+    images, _ = _images(48)
+    cfg = VQTrainConfig(steps=60, batch_size=8, seed=0, dead_code_steps=5)  # dead-code restarts draw randoms too
+    whole = train_vq(images, cfg, progress=False)
+    resume = tmp_path / "vq.safetensors.resume.safetensors"
+    with pytest.raises(TrainingInterrupted, match=f"stopped at step 25 of 60; the state is in {resume}"):
+        train_vq(images, cfg, progress=False, resume_path=resume, stop_after_steps=25)
+    assert resume.is_file()
+    with pytest.raises(ValueError, match=r"other settings \['lr'\].*delete .*resume.safetensors to start afresh"):
+        train_vq(images, VQTrainConfig(steps=60, batch_size=8, seed=0, dead_code_steps=5, lr=1e-3),
+                 progress=False, resume_path=resume)
+    with pytest.raises(TrainingInterrupted, match="stopped at step 40 of 60"):  # and a second interruption
+        train_vq(images, cfg, progress=False, resume_path=resume, stop_after_steps=15)
+    resumed = train_vq(images, cfg, progress=False, resume_path=resume)
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    assert not resume.exists()  # removed once finished
+
+
 def test_tokenizer_train_cli_reproduces_file(tmp_path):
     from crowdtrain.cli import main
 

@@ -160,6 +160,27 @@ def test_the_config_checks_accept_what_a_real_coordinator_serves_and_size_the_mo
     assert check_join_info(good_info(), ram_bytes=2**30, model_overrides={"text_vocab_size": 2**20}).params > 6e7
 
 
+def test_on_a_gpu_the_model_must_fit_the_gpus_memory_not_the_machines(monkeypatch):
+    import types
+
+    import torch
+
+    from crowdtrain.swarm.join_info import device_memory, machine_ram_bytes
+
+    assert device_memory("cpu") == (machine_ram_bytes(), "this machine")
+    # A 4 GiB GPU in a machine with far more RAM (the model lives on the GPU).
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=4 * 2**30, name=f"Small GPU {i}"))
+    assert device_memory("cuda") == (4 * 2**30, "this GPU (Small GPU 0)")
+    assert device_memory("cuda:1") == (4 * 2**30, "this GPU (Small GPU 1)")
+    # 2**23 text tokens of width 64: 537M parameters, 4.0 GiB of fp32 parameters and gradients.
+    with pytest.raises(ValueError, match=r"this GPU \(Small GPU 0\) has 4\.0 GiB.*or use a GPU with more memory"):
+        check_join_info(good_info(), source="http://c", device="cuda", model_overrides={"text_vocab_size": 2**23})
+    assert check_join_info(good_info(), source="http://c", device="cpu",
+                           model_overrides={"text_vocab_size": 2**23}).params > 5e8  # the 24 GiB machine
+
+
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_a_failure_after_start_up_stops_the_hivemind_threads_and_exits(coordinator):
     """The optimizer refusing a setting after the DHT and the progress tracker have started (as

@@ -184,6 +184,7 @@ def test_every_process_of_a_run_ends_when_its_top_process_gets_a_signal(swarm_fa
         left = {name: _process_group(pid) for name, pid in top.items()}
     assert not any(left.values()), left
     assert "leaving the swarm" in swarm.log("hangup"), swarm.log("hangup")[-2000:]
+    assert not (swarm.run_dir / "aux.pid").exists()  # a clean stop leaves no stale pid file
 
 
 @pytest.mark.timeout(240)

@@ -3,6 +3,7 @@ them, and the start-up check that the run's tokenizers fit its model."""
 
 from __future__ import annotations
 
+import html as html_lib
 import json
 import sqlite3
 
@@ -188,4 +189,34 @@ def test_a_non_shapes_runs_pages_show_its_prompts_without_composition_tags(tmp_p
     # The suggested command quotes the caption for the shell: a caption is a stranger's text.
     assert "crowdtrain generate --checkpoint step-0000004 &#39;stripes $(touch /tmp/pwned) &#39;&#34;&#39;&#34;&#39;quoted" in page
     assert "a small red circle" not in page
+    store.close()
+
+
+def test_the_memory_calculator_opens_on_the_runs_model_in_the_sites_style(stripes, tmp_path):
+    from crowdtrain.swarm.config import laptop_swarm_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shards, vq = stripes
+    spec = build_spec(CoordinatorConfig(run_dir=str(run_dir), data=str(shards), image_tokenizer=str(vq),
+                                        swarm_preset="demo"), shards)
+    (run_dir / "coordinator.json").write_text(json.dumps(spec))
+    store = Store(f"sqlite:///{run_dir / 'c.sqlite'}")
+
+    def page():
+        app = create_app(run_dir, store=store, auth=AuthSettings(key_path=tmp_path / "key.pem"))
+        return html_lib.unescape(TestClient(app).get("/memcalc/").text)
+
+    html = page()  # sync mode, the demo preset: 8-bit LAMB offloaded
+    assert "<option selected>crowdtrain-demo</option>" in html and "<option selected>8bit</option>" in html
+    assert 'name="offload" checked' in html and "the demo preset's model, 8-bit LAMB, offloaded" in html
+    assert '<link rel="stylesheet" href="/static/app.css">' in html and 'class="topbar"' in html
+    assert '<a href="/memcalc/" aria-current="page">' in html and '<a href="/leaderboard"' in html
+    spec["swarm"] = laptop_swarm_config().to_dict()  # DiLoCo with AdamW inner steps
+    (run_dir / "coordinator.json").write_text(json.dumps(spec))
+    html = page()
+    assert "<option selected>fp32</option>" in html and 'name="offload" checked' not in html
+    assert "AdamW (DiLoCo mode)" in html
+    (run_dir / "coordinator.json").unlink()  # no run yet: the calculator's own default
+    assert "<option selected>gpt2-large</option>" in page()
     store.close()

@@ -448,3 +448,14 @@ def test_api_docs_load_swagger_ui_from_the_coordinator_not_a_cdn(run):
     assert client.get("/docs/swagger-ui/index.html").status_code == 404  # the listed files only
     assert client.get("/redoc").status_code == 404  # ReDoc would come from a CDN too
     assert "/api/status" in client.get("/openapi.json").json()["paths"]
+
+
+def test_the_api_schema_builds_without_warnings_and_downloads_answer_head(run, recwarn):
+    client = run()
+    schema = client.get("/openapi.json").json()
+    assert not [str(w.message) for w in recwarn if "Operation ID" in str(w.message)]
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids))
+    assert list(schema["paths"]["/checkpoints/{name}/{filename}"]) == ["get"]
+    head = client.head("/checkpoints/step-0000010/model.safetensors")
+    assert head.status_code == 200 and int(head.headers["content-length"]) > 0

@@ -157,6 +157,7 @@ def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
     if image_tokenizer.is_file():
         assets["image_tokenizer.safetensors"] = str(image_tokenizer)
     return {
+        "preset": config.preset,
         "swarm": swarm.to_dict(),
         "task": {"name": "dalle", "model": model.to_dict(), "data": data},
         "dht_host": config.dht_host, "dht_port": config.dht_port, "public_host": config.public_host, "identity": str(Path(config.identity).resolve()),

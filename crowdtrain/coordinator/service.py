@@ -122,6 +122,31 @@ def run_status(run_dir: Path, store: Store) -> dict:
             "peers": live, "model": info.get("task", {}).get("model", {}), "data": info.get("task", {}).get("data")}
 
 
+def _memcalc_run(run_dir: Path) -> dict | None:
+    """The memory calculator's starting point on this run: its model preset and optimizer settings
+    (from ``coordinator.json``); None before a coordinator wrote one."""
+    from crowdtrain.memcalc.architectures import OUR_PRESETS
+
+    try:
+        spec = json.loads((run_dir / "coordinator.json").read_text())
+        model, swarm = spec["task"]["model"], spec["swarm"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    preset = spec.get("preset")
+    if preset not in OUR_PRESETS:
+        return None
+    sync = swarm.get("mode", "sync") == "sync"
+    lamb = sync or swarm.get("inner_optimizer") == "lamb8bit"
+    defaults = {"model": f"crowdtrain-{preset}", "optimizer": "8bit" if lamb else "fp32",
+                "offload": bool(sync and swarm.get("offload_optimizer", True)),
+                "reversible": bool(model.get("reversible")), "checkpointing": bool(model.get("checkpointing")),
+                "shared_groups": None}  # blank: the preset's own sharing
+    optimizer = ("8-bit LAMB" + (", offloaded to the CPU" if defaults["offload"] else "")) if lamb else "AdamW"
+    return {"defaults": defaults,
+            "note": f"Opened on this run: the {preset} preset's model, {optimizer} "
+                    f"({'sync' if sync else 'DiLoCo'} mode). Change any setting to size another machine."}
+
+
 def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | None = None,
                text_tokenizer: str | Path | None = None, auth: AuthSettings | None = None,
                public_url: str = "http://127.0.0.1:8000", checkpoint_dir: str | Path | None = None) -> FastAPI:
@@ -166,7 +191,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
         return JSONResponse({"detail": errors}, status_code=422)
 
     # The memory calculator page, for volunteers sizing a GPU, with the way back to the run's pages.
-    app.include_router(memcalc_router("/memcalc", nav=tuple(link for link in NAV if link[0] != "/memcalc/")))
+    app.include_router(memcalc_router("/memcalc", nav=NAV, site=True, run=_memcalc_run(run_dir)))
     app.include_router(pages_router(run_dir=run_dir, store=store, public_url=public_url, auth_mode=auth.mode,
                                    checkpoint_dir=checkpoint_dir))
 
@@ -305,7 +330,10 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     def api_counters() -> dict:
         return store.counters()
 
-    @app.api_route("/checkpoints/{name}/{filename}", methods=["GET", "HEAD"], summary="Download one file of a checkpoint")
+    # HEAD as its own route (one operation per method in the OpenAPI schema: a shared one gets
+    # the same operation id twice).
+    @app.head("/checkpoints/{name}/{filename}", include_in_schema=False)
+    @app.get("/checkpoints/{name}/{filename}", summary="Download one file of a checkpoint")
     def checkpoint_file(name: str, filename: str):
         if filename not in CHECKPOINT_FILES:
             raise HTTPException(404, f"checkpoints hold only {sorted(CHECKPOINT_FILES)}")
@@ -320,7 +348,8 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
         shards_root = Path(shards_dir)
 
         # HEAD too: streaming readers ask a shard's size before reading byte ranges.
-        @app.api_route("/shards/{relative:path}", methods=["GET", "HEAD"], summary="Data shards (HTTP Range supported)")
+        @app.head("/shards/{relative:path}", include_in_schema=False)
+        @app.get("/shards/{relative:path}", summary="Data shards (HTTP Range supported)")
         def shard(relative: str):
             return FileResponse(_inside(shards_root, relative))
 

@@ -160,13 +160,14 @@ def _shapes(args) -> int:
 
 
 def _prepare(args) -> int:
-    from crowdtrain.data.shards import prepare_shards
+    from crowdtrain.data.shards import format_fit_report, prepare_shards, tokenizer_fit_report
     from crowdtrain.data.tokenizers import resolve_image_tokenizer
 
     tokenizer = resolve_image_tokenizer(args.image_tokenizer)
     summary = prepare_shards(args.input, args.out, tokenizer, split=args.split, shard_size=args.shard_size,
                              batch_size=args.batch_size, nsfw_default=args.nsfw_default)
     print(summary.format())
+    print(format_fit_report(tokenizer_fit_report(args.input, tokenizer, args.out), args.image_tokenizer))
     return 0
 
 
@@ -188,7 +189,8 @@ def _tokenizer_train(args) -> int:
     import torch
 
     from crowdtrain.data.config import VQTrainConfig
-    from crowdtrain.data.vq_train import load_image_folder, reconstruction_report, split_holdout, train_vq
+    from crowdtrain.data.vq_train import (TrainingInterrupted, load_image_folder, reconstruction_report,
+                                          resume_path_for, split_holdout, train_vq)
 
     config = VQTrainConfig(image_size=args.image_size, patch=args.patch,
                            channels=tuple(int(c) for c in args.channels.split(",")),
@@ -197,7 +199,11 @@ def _tokenizer_train(args) -> int:
     logger.info("config: %s (torch threads: %d)", config, torch.get_num_threads())
     images, captions = load_image_folder(args.data, config.image_size, limit=args.limit)
     train_idx, held_idx = split_holdout(len(images))
-    model = train_vq(images[train_idx], config)
+    try:
+        model = train_vq(images[train_idx], config, resume_path=resume_path_for(args.out))
+    except TrainingInterrupted as e:
+        print(e)
+        return 130
     report = reconstruction_report(model, images[held_idx], [captions[i] for i in held_idx])
     report["train_images"] = int(len(train_idx))
     report["command"] = (f"crowdtrain tokenizer train --data DIR --steps {config.steps} --seed {config.seed} "

@@ -109,6 +109,10 @@ class DataSourceUnavailable(ValueError):
     """An http(s) data source did not answer for longer than ``StreamConfig.outage_patience_s``."""
 
 
+class ShardListUnavailable(ValueError):
+    """An http(s) source's manifest could not be read for a reason that may pass (down, busy)."""
+
+
 def is_transient(error: BaseException) -> bool:
     """True for failures that say the server is unreachable or busy, not that the data is bad:
     connection refused or reset, timeouts, a dropped connection mid-read, HTTP 5xx, 408, 429.
@@ -306,9 +310,10 @@ def list_shards(source: str, split: str = "train", *, timeout_s: float = 30.0) -
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as r:
                 manifest = json.loads(r.read())
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ValueError(f"cannot read {url} ({e}); serve a shard folder made by "
-                             "`crowdtrain data prepare` (it holds the manifest) with `crowdtrain data serve`") from e
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+            kind = ShardListUnavailable if is_transient(e) else ValueError
+            raise kind(f"cannot read {url} ({e}); serve a shard folder made by "
+                       "`crowdtrain data prepare` (it holds the manifest) with `crowdtrain data serve`") from e
         files = [s["file"] for s in manifest.get("splits", {}).get(split, [])]
         if not files:
             raise ValueError(f"{base} has no shards for split {split!r} (splits: {sorted(manifest.get('splits', {}))})")
@@ -364,11 +369,31 @@ def keep_row(row: dict, config: StreamConfig = StreamConfig()) -> bool:
     return row.get("NSFW") == config.safe_value and row.get("code") is not None
 
 
+def _list_shards_riding_out_outages(source, split: str, config: StreamConfig) -> list[str]:
+    """``list_shards``, retried with back-off (1 s doubling to ``config.retry_max_delay_s``) while
+    an http(s) source is down or busy, for up to ``config.outage_patience_s``: a volunteer that
+    starts while the coordinator restarts waits for it, as a running stream does."""
+    start, delay = time.monotonic(), min(1.0, config.retry_max_delay_s)
+    while True:
+        try:
+            return list_shards(source, split, timeout_s=config.http_timeout_s)
+        except ShardListUnavailable as e:
+            down_for = time.monotonic() - start
+            if down_for + delay > config.outage_patience_s:
+                raise DataSourceUnavailable(
+                    f"the data source {source} has not answered for {down_for:.0f} s ({e}); gave up after "
+                    f"outage_patience_s = {config.outage_patience_s:.0f} s. If the coordinator is down for "
+                    "longer, raise it (crowdtrain join --data-outage-patience-s)") from e
+            logger.warning("the data source %s does not answer (%s); retrying in %.0f s", source, e, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, config.retry_max_delay_s)
+
+
 def open_stream(source, *, seed_key: str, split: str = "train", config: StreamConfig = StreamConfig()):
     """(rows IterableDataset, stats, shard list): shuffled and filtered, one epoch per iteration."""
     from datasets import IterableDataset
 
-    shards = list_shards(source, split, timeout_s=config.http_timeout_s)
+    shards = _list_shards_riding_out_outages(source, split, config)
     stream_id = f"{seed_key}/{split}/{next(_STREAM_IDS)}"
     stats = StreamStats()
     _STREAMS[stream_id] = _Source(stats, config, manifest_url=remote_manifest_url(source), seed=stable_seed(f"replay/{seed_key}"))

@@ -13,6 +13,7 @@ stored in the tokenizer file's metadata and printed:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -64,8 +65,72 @@ def fit_image(im, size: int):
     return im.resize((size, size), Image.BICUBIC)
 
 
-def train_vq(images: np.ndarray, config: VQTrainConfig, *, progress: bool = True) -> SmallVQ:
-    """Train a :class:`SmallVQ` on (N, S, S, 3) uint8 images."""
+class TrainingInterrupted(Exception):
+    """Ctrl-C (or SIGTERM) during ``train_vq`` with a resume file: the state is saved there."""
+
+
+def resume_path_for(out) -> Path:
+    """Where ``crowdtrain tokenizer train --out OUT`` keeps its resumable state while it runs."""
+    out = Path(out)
+    return out.with_name(out.name + ".resume.safetensors")
+
+
+def _save_resume(path: Path, config: VQTrainConfig, n_images: int, step: int, model, opt, sched, gen) -> None:
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from crowdtrain.swarm.optimizer import flatten_optimizer_state
+
+    tensors, opt_meta = flatten_optimizer_state(opt.state_dict())
+    tensors = {f"opt/{k}": v.contiguous() for k, v in tensors.items()}
+    tensors.update({f"model/{k}": v.contiguous() for k, v in model.state_dict().items()})
+    tensors["generator"] = gen.get_state()
+    meta = {"config": json.dumps(dataclasses.asdict(config)), "images": str(n_images), "step": str(step),
+            "optimizer": json.dumps(opt_meta), "scheduler": json.dumps(sched.state_dict())}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)  # a kill while writing leaves the previous resume file whole
+
+
+def _load_resume(path: Path, config: VQTrainConfig, n_images: int, model, opt, sched, gen) -> int:
+    import dataclasses
+
+    from safetensors import safe_open
+
+    from crowdtrain.swarm.optimizer import unflatten_optimizer_state
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    saved = json.loads(meta["config"])
+    ours = json.loads(json.dumps(dataclasses.asdict(config)))
+    if saved != ours or int(meta["images"]) != n_images:
+        changed = sorted(k for k in ours if saved.get(k) != ours[k])
+        what = f"settings {changed}" if changed else f"{meta['images']} images, now {n_images}"
+        raise ValueError(f"{path} holds an interrupted training with other {what}: run the same command as "
+                         f"before to continue it, or delete {path} to start afresh")
+    model.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+    opt.load_state_dict(unflatten_optimizer_state({k[len("opt/"):]: v for k, v in tensors.items()
+                                                   if k.startswith("opt/")}, json.loads(meta["optimizer"])))
+    sched.load_state_dict(json.loads(meta["scheduler"]))
+    gen.set_state(tensors["generator"])
+    return int(meta["step"])
+
+
+def train_vq(images: np.ndarray, config: VQTrainConfig, *, progress: bool = True, resume_path=None,
+             save_every_s: float = 120.0, stop_after_steps: int | None = None) -> SmallVQ:
+    """Train a :class:`SmallVQ` on (N, S, S, 3) uint8 images.
+
+    With ``resume_path`` the state (model, optimizer, schedule, random generator) is saved there
+    every ``save_every_s`` and on Ctrl-C or SIGTERM (then :class:`TrainingInterrupted` is raised
+    after the step in progress), and a later call with the same images and config continues
+    from it, as if never stopped; the file is removed once training ends.
+    ``stop_after_steps`` stops as an interrupt would after that many steps (tests).
+    """
+    import signal
+    import threading
+
     from tqdm import tqdm
 
     torch.manual_seed(config.seed)
@@ -84,22 +149,52 @@ def train_vq(images: np.ndarray, config: VQTrainConfig, *, progress: bool = True
     opt = torch.optim.Adam(params, lr=config.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / config.steps)))
+    resume_path = Path(resume_path) if resume_path is not None else None
+    start = 0
+    if resume_path is not None and resume_path.is_file():
+        start = _load_resume(resume_path, config, len(images), model, opt, sched, gen)
+        logger.info("continuing the interrupted training in %s from step %d of %d", resume_path, start, config.steps)
+    # A signal ends the loop after the step in progress, so what is saved is one whole step.
+    stop = threading.Event()
+    previous = {}
+    if resume_path is not None and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
     model.train()
-    bar = tqdm(range(config.steps), desc="train vq", unit="step", disable=not progress)
-    t0 = time.time()
-    for step in bar:
-        batch = images_to_float(data[torch.randint(len(data), (config.batch_size,), generator=gen)])
-        recon, commit, _ = model(batch, generator=gen, dead_code_steps=config.dead_code_steps)
-        # L1 rather than MSE: the median of plausible pixels keeps edges sharp where MSE blurs them.
-        rec_loss = F.l1_loss(recon, batch)
-        loss = rec_loss + config.commitment * commit
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == config.steps - 1:
-            bar.set_postfix(l1=f"{rec_loss.item() / 2:.4f}", commit=f"{commit.item():.4f}")  # on a 0..1 scale
-    logger.info("trained %d steps in %.0f s", config.steps, time.time() - t0)
+    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc="train vq", unit="step",
+               disable=not progress)
+    t0 = last_save = time.monotonic()
+    step = start
+    try:
+        for step in bar:
+            batch = images_to_float(data[torch.randint(len(data), (config.batch_size,), generator=gen)])
+            recon, commit, _ = model(batch, generator=gen, dead_code_steps=config.dead_code_steps)
+            # L1 rather than MSE: the median of plausible pixels keeps edges sharp where MSE blurs them.
+            rec_loss = F.l1_loss(recon, batch)
+            loss = rec_loss + config.commitment * commit
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            if step % 50 == 0 or step == config.steps - 1:
+                # The running reconstruction error, as mean absolute error on a 0..255 scale.
+                bar.set_postfix(err=f"{rec_loss.item() * 127.5:.1f}/255", commit=f"{commit.item():.4f}")
+            done = step + 1
+            if stop_after_steps is not None and done - start >= stop_after_steps:
+                stop.set()
+            if resume_path is not None and (stop.is_set() or time.monotonic() - last_save > save_every_s):
+                _save_resume(resume_path, config, len(images), done, model, opt, sched, gen)
+                last_save = time.monotonic()
+            if stop.is_set() and done < config.steps:
+                bar.close()
+                raise TrainingInterrupted(f"stopped at step {done} of {config.steps}; the state is in {resume_path}: "
+                                          "run the same command again to continue")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    logger.info("trained %d steps in %.0f s", config.steps - start, time.monotonic() - t0)
+    if resume_path is not None:
+        resume_path.unlink(missing_ok=True)
     return model.eval()
 
 

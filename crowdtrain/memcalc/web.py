@@ -40,15 +40,24 @@ def _finite(value) -> bool:
     return True
 
 
-def create_router(prefix: str = "/memcalc", nav: tuple[tuple[str, str], ...] = ()) -> APIRouter:
-    """``nav``: (href, label) links shown above the calculator, e.g. back to a run's pages."""
+DEFAULTS = {"model": "gpt2-large", "optimizer": "fp32", "precision": "fp32", "offload": False, "checkpointing": False,
+            "reversible": False, "shared_groups": None, "batch_size": 1}
+
+
+def create_router(prefix: str = "/memcalc", nav: tuple[tuple[str, str], ...] = (), *, site: bool = False,
+                  run: dict | None = None) -> APIRouter:
+    """``nav``: (href, label) links shown above the calculator, e.g. back to a run's pages;
+    ``site``: in the coordinator's style (its stylesheet and top bar); ``run``: ``{"defaults":
+    {field: value}, "note": str}``, the settings the page opens on (a run's model and optimizer)."""
     router = APIRouter(prefix=prefix)
+    defaults = {**DEFAULTS, **((run or {}).get("defaults") or {})}
 
     @router.get("/", response_class=HTMLResponse)
     def page(request: Request):
         return TEMPLATES.TemplateResponse(request, "memcalc.html", {
             "models": names(), "optimizers": OPTIMIZERS, "precisions": PRECISIONS, "gpus": GPU_SIZES_GB,
-            "prefix": prefix, "default_model": "gpt2-large", "nav": nav})
+            "prefix": prefix, "defaults": defaults, "nav": nav, "site": site, "page": f"{prefix}/",
+            "run_note": (run or {}).get("note")})
 
     @router.get("/plotly.min.js")
     def plotly_js():

@@ -405,7 +405,13 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
-    peer.run()
+    try:
+        peer.run()
+    finally:
+        pid_file = run_dir / "aux.pid"
+        with contextlib.suppress(OSError, ValueError):
+            if int(pid_file.read_text()) == os.getpid():  # not a newer aux peer's
+                pid_file.unlink()
     return 0
 
 

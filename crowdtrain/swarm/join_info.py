@@ -131,35 +131,58 @@ def machine_ram_bytes() -> int | None:
         return None
 
 
-def check_model_fits(model: ModelConfig, ram_bytes: int | None, source: str) -> int:
-    """The model's parameter count; refuses a model whose parameters and gradients alone exceed RAM."""
+def device_memory(device: str) -> tuple[int | None, str]:
+    """(bytes, name) of the memory a model trains in on ``device``: a GPU's own memory for
+    ``cuda[:i]`` (parameters and gradients live there; the optimizer state may be offloaded),
+    else this machine's RAM. (None, name) where it cannot be read: no check then."""
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            return int(props.total_memory), f"this GPU ({props.name})"
+        except Exception:  # no CUDA here: the device check after this one says so
+            return None, "this GPU"
+    return machine_ram_bytes(), "this machine"
+
+
+def check_model_fits(model: ModelConfig, ram_bytes: int | None, source: str, where: str = "this machine") -> int:
+    """The model's parameter count; refuses a model whose parameters and gradients alone exceed
+    ``ram_bytes``, the memory of ``where`` (this machine's RAM, or a GPU's memory)."""
     from crowdtrain.memcalc.architectures import crowdtrain_param_count
 
     params = crowdtrain_param_count(model)
     need = params * MIN_BYTES_PER_PARAM
     if ram_bytes is not None and need > ram_bytes:
+        bigger = "a GPU with more memory" if "GPU" in where else "a machine with more memory"
         raise ValueError(
             f"task.model has {params / 1e9:,.2f} billion parameters: training it needs at least {need / 2**30:,.1f} "
-            f"GiB of memory for its fp32 parameters and gradients alone, and this machine has "
-            f"{ram_bytes / 2**30:,.1f} GiB. Join a run with a smaller model, or use a machine with more memory "
+            f"GiB of memory for its fp32 parameters and gradients alone, and {where} has "
+            f"{ram_bytes / 2**30:,.1f} GiB. Join a run with a smaller model, or use {bigger} "
             f"(sizes: {source.rstrip('/')}/memcalc/)")
     return params
 
 
 def check_join_info(info, *, model_overrides: dict | None = None, source: str = "the coordinator",
-                    ram_bytes: int | None = -1) -> CheckedJoinInfo:
+                    ram_bytes: int | None = -1, device: str = "cpu") -> CheckedJoinInfo:
     """Everything ``crowdtrain join`` reads from ``info``, checked; a ValueError names the field.
 
-    ``ram_bytes``: the memory a model must fit in (-1: this machine's; None: no check).
+    ``ram_bytes``: the memory a model must fit in (-1: ``device``'s, see ``device_memory``;
+    None: no check).
     """
     where = f"the run config from {source}"
+    memory, name = device_memory(device)
+    if ram_bytes != -1:
+        memory = ram_bytes
     try:
-        return _check(info, model_overrides or {}, source, machine_ram_bytes() if ram_bytes == -1 else ram_bytes)
+        return _check(info, model_overrides or {}, source, memory, name)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
 
-def _check(info, model_overrides: dict, source: str, ram_bytes: int | None) -> CheckedJoinInfo:
+def _check(info, model_overrides: dict, source: str, ram_bytes: int | None,
+           memory_name: str = "this machine") -> CheckedJoinInfo:
     if not isinstance(info, dict):
         raise ValueError(f"expected a JSON object, got a JSON {_json_type(info)}: is {source} a crowdtrain "
                          "coordinator?")
@@ -199,5 +222,5 @@ def _check(info, model_overrides: dict, source: str, ram_bytes: int | None) -> C
         lifetime = auth.get("token_lifetime_s")
         if not _matches(lifetime, float) or not lifetime > 0:
             raise ValueError(f"auth.token_lifetime_s must be a positive finite number, got {lifetime!r}"[:300])
-    params = check_model_fits(model, ram_bytes, source)
+    params = check_model_fits(model, ram_bytes, source, memory_name)
     return CheckedJoinInfo(swarm=swarm, model=model, params=params)

@@ -199,7 +199,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     # All of it, before anything with threads starts (see crowdtrain.swarm.join_info).
-    checked = check_join_info(info, model_overrides=config.model_overrides, source=base)
+    checked = check_join_info(info, model_overrides=config.model_overrides, source=base, device=config.device)
     swarm, model_config = checked.swarm, checked.model
     check_fingerprint(info, model_config)
     tokenizer = None
