@@ -1,0 +1,93 @@
+"""docs/organize-a-run.md with an organizer's own images (not the shapes set), by the command line
+alone: tokenizers trained from the images and captions, shards with the fit report, a
+coordinator given both tokenizers and its own sample prompts, two volunteers as real processes,
+the prompts on /samples and in the checkpoint's sample folder, and `crowdtrain generate`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests._data_helpers import stripes_items
+from tests.swarm_harness import Swarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def crowdtrain(*args: str, timeout: float = 240) -> str:
+    out = subprocess.run([sys.executable, "-m", "crowdtrain.cli", *args], capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, (args, out.stdout[-2000:], out.stderr[-3000:])
+    return out.stdout
+
+
+def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
+    images = tmp_path / "my_images"
+    images.mkdir()
+    for item in stripes_items(60, seed=3):
+        name = item.source.replace("/", "_")
+        Image.fromarray(item.image).save(images / name)
+        (images / name).with_suffix(".txt").write_text(item.caption)
+    valid = tmp_path / "my_valid"
+    valid.mkdir()
+    for item in stripes_items(8, seed=4):
+        name = item.source.replace("/", "_")
+        Image.fromarray(item.image).save(valid / name)
+        (valid / name).with_suffix(".txt").write_text(item.caption)
+
+    # Step 2 of the guide: an image tokenizer and a text tokenizer of one's own, then shards.
+    vq, text = tmp_path / "my_vq.safetensors", tmp_path / "my_text_tokenizer.json"
+    crowdtrain("tokenizer", "train", "--data", str(images), "--out", str(vq), "--steps", "30", "--batch-size", "8")
+    assert not vq.with_name(vq.name + ".resume.safetensors").exists()
+    crowdtrain("tokenizer", "train-text", "--data", str(images), "--out", str(text), "--vocab-size", "128")
+    shards = tmp_path / "shards"
+    said = crowdtrain("data", "prepare", "--input", str(images), "--out", str(shards), "--image-tokenizer", str(vq))
+    assert "60 rows" in said and "skipped nothing" in said and "tokenizer fit: PSNR" in said, said
+    assert (shards / "fit_report.png").is_file()
+    crowdtrain("data", "prepare", "--input", str(valid), "--out", str(shards), "--image-tokenizer", str(vq),
+               "--split", "valid")
+
+    # Step 4: the coordinator with both tokenizers by flag and the organizer's own prompts.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# the gallery\na blue checkerboard number 1\n[held-out] a green gradient number 2\n")
+    swarm = Swarm(tmp_path, preset="tiny", data=str(shards),
+                  swarm={"target_batch_size": 64, "checkpoint_every_epochs": 2, "matchmaking_time_s": 2.0})
+    try:
+        info = swarm.start_coordinator(extra=["--image-tokenizer", str(vq), "--text-tokenizer", str(text),
+                                              "--sample-prompts", str(prompts)])
+        assert info["task"]["model"]["image_vocab_size"] == 512  # sized by the image tokenizer
+        for name in ("alice", "bob"):
+            swarm.join(name, batch_size=8, max_epochs=5)
+        for name in ("alice", "bob"):
+            assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(swarm.run_dir.glob("samples/step-*/prompts.json")):
+            time.sleep(1)
+        index_files = sorted(swarm.run_dir.glob("samples/step-*/prompts.json"))
+        assert index_files, swarm.log("coordinator")[-3000:] + (swarm.run_dir / "aux.log").read_text()[-3000:]
+        index = json.loads(index_files[-1].read_text())
+        assert [(e["prompt"], e["tag"]) for e in index] == [("a blue checkerboard number 1", None),
+                                                           ("a green gradient number 2", "held-out")]
+        html = urllib.request.urlopen(f"{swarm.url}/samples", timeout=30).read().decode()
+        assert "a blue checkerboard number 1" in html and '<span class="badge held-out">held-out</span>' in html
+        assert "a large red circle" not in html  # no shapes prompt on a run that is not the shapes data
+        checkpoints = urllib.request.urlopen(f"{swarm.url}/checkpoints", timeout=30).read().decode()
+        assert re.search(r"crowdtrain generate --checkpoint step-\d+ &#39;a blue checkerboard number 1&#39;",
+                         checkpoints)
+    finally:
+        swarm.close()
+
+    # Step 8: draw from the last checkpoint with the run's own tokenizers (saved into it).
+    checkpoint = sorted((swarm.run_dir / "checkpoints").glob("step-*"))[-1]
+    out = tmp_path / "drawn.png"
+    said = crowdtrain("generate", "--checkpoint", str(checkpoint), "a green gradient number 2", "--num-samples", "4",
+                      "--keep", "2", "--out", str(out))
+    assert "best 2 of 4" in said and np.asarray(Image.open(out)).shape == (4 * 68, 4 * (2 * 66 + 2), 3)
