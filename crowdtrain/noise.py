@@ -17,6 +17,10 @@ NOISE: dict[str, tuple[str, ...]] = {
     # A peer schedules its next round's matchmaking ahead, while the last one may still be looking
     # for a group (a peer alone, or early in a run): hivemind queues it, by design.
     "hivemind.averaging.matchmaking": ("Another look_for_group is already in progress",),
+    # A DHT request whose sender is exiting: the request's reply channel is passed through the
+    # sender's resource-sharing socket, which is gone, so the DHT process cannot read it. Only
+    # a leaving peer sends one (its last metrics or token refresh racing its shutdown).
+    "hivemind.dht.dht": ("[Errno 2] No such file or directory",),
 }
 
 
