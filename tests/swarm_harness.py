@@ -150,8 +150,7 @@ class Swarm:
 # warnings about crowdtrain's own settings.
 NOISE_LINES = ("Failed to load CPU gemm_4bit_forward", "Another look_for_group is already in progress",
                "request_timeout smaller than min_matchmaking_time", "Detected call of `lr_scheduler.step()`",
-               "Task was destroyed but it is pending", "[Errno 2] No such file or directory",
-               "Averager shutdown has no effect")
+               "Task was destroyed but it is pending", "[hivemind.dht.dht._run")
 
 
 def noise_in(text: str) -> list[str]:
