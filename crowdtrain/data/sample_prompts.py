@@ -100,8 +100,10 @@ def data_prompts(source, *, n: int = DEFAULT_FROM_DATA, timeout_s: float = 30.0)
         prompts, seen = [], set()
         for shard in shards[:4]:
             with open_shard(shard, timeout_s=timeout_s) as f:
-                table = pq.read_table(f, columns=["caption", "code", "NSFW"])
-            for row in table.slice(0, 2000).to_pylist():
+                # The first rows only: a shard of a big data set may hold hundreds of MB.
+                batch = next(pq.ParquetFile(f).iter_batches(batch_size=500, columns=["caption", "code", "NSFW"]),
+                             None)
+            for row in batch.to_pylist() if batch is not None else []:
                 caption = (row.get("caption") or "").strip()
                 if not caption or caption in seen or len(caption) > MAX_PROMPT_CHARS or not row.get("code") \
                         or not keep_row(row, StreamConfig()):
