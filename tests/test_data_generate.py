@@ -165,7 +165,7 @@ def _sampler(run_dir):
     from crowdtrain.swarm.aux_peer import AuxPeer
 
     aux = AuxPeer.__new__(AuxPeer)
-    aux.run_dir, aux.samples_possible = run_dir, True
+    aux.run_dir, aux.samples_possible, aux.spec = run_dir, True, {}  # a spec without prompts: the shapes run
     aux.store = Store(f"sqlite:///{run_dir / 'run.db'}")
     return aux
 

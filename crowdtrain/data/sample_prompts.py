@@ -119,6 +119,22 @@ def data_prompts(source, *, n: int = DEFAULT_FROM_DATA, timeout_s: float = 30.0)
                      "pass --sample-prompts FILE")
 
 
+def reference_codes(codes, config):
+    """A sample prompt's real image as (1, H, W) codes for a model of ``config``; None when it
+    has none or they do not fit the model (they come from the run's data: a stranger's file)."""
+    import torch
+
+    if codes is None:
+        return None
+    try:
+        t = torch.as_tensor(codes, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if t.numel() != config.image_len or t.min() < 0 or t.max() >= config.image_vocab_size:
+        return None
+    return t.view(1, config.image_height, config.image_width)
+
+
 def load_run_prompts(run_dir) -> list[dict] | None:
     """The prompts the coordinator chose for the run in ``run_dir`` (None: not recorded)."""
     try:

@@ -309,10 +309,10 @@ class AuxPeer:
             from PIL import Image
 
             from crowdtrain.data.generate import Generator, TokenizerMismatch, make_grid
-            from crowdtrain.data.sample_prompts import shapes_prompts
+            from crowdtrain.data.sample_prompts import reference_codes, shapes_prompts
 
             # A spec written before runs had their own prompts: the shapes run it was.
-            prompts = self.spec.get("sample_prompts") if hasattr(self, "spec") else None
+            prompts = self.spec.get("sample_prompts")
             prompts = shapes_prompts() if prompts is None else prompts
             if not prompts:
                 self.samples_possible = False
@@ -330,7 +330,7 @@ class AuxPeer:
             for i, p in enumerate(prompts):
                 images = gen.sample(p["prompt"], per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P,
                                     temperature=1.0, seed=i)[1]
-                reference = _reference_codes(p.get("reference"), gen.model.config)
+                reference = reference_codes(p.get("reference"), gen.model.config)
                 if reference is not None:
                     real = gen.image_tokenizer.decode(reference.to(gen.device)).cpu().clone()
                     for edge in (real[:, 0], real[:, -1], real[:, :, 0], real[:, :, -1]):
@@ -371,20 +371,6 @@ class AuxPeer:
         self.keeper.stop()
         self.averager.shutdown()
         self.dht.shutdown()
-
-
-def _reference_codes(codes, config: ModelConfig) -> torch.Tensor | None:
-    """A sample prompt's real image as (1, H, W) codes; None when it has none or they do not fit
-    the model (they come from the run's data, a stranger's file)."""
-    if codes is None:
-        return None
-    try:
-        t = torch.as_tensor(codes, dtype=torch.long)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-    if t.numel() != config.image_len or t.min() < 0 or t.max() >= config.image_vocab_size:
-        return None
-    return t.view(1, config.image_height, config.image_width)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,7 +259,7 @@ def write_samples(out: Path, per_prompt: int = 4) -> str | None:
     from PIL import Image
 
     from crowdtrain.data.generate import Generator, make_grid
-    from crowdtrain.data.sample_prompts import shapes_prompts
+    from crowdtrain.data.sample_prompts import reference_codes, shapes_prompts
     from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
 
     spec = json.loads((out / "run" / "coordinator.json").read_text())
@@ -271,9 +271,9 @@ def write_samples(out: Path, per_prompt: int = 4) -> str | None:
         images = gen.sample(p["prompt"], per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P, temperature=1.0,
                             seed=i)[1]
         if with_reference:  # every row gets a first column: the real image, or a blank tile
-            real = (gen.image_tokenizer.decode(torch.tensor(p["reference"]).view(1, cfg.image_height,
-                                                                                  cfg.image_width)).cpu()
-                    if p.get("reference") is not None else torch.full_like(images[:1], 255))
+            codes = reference_codes(p.get("reference"), cfg)
+            real = (gen.image_tokenizer.decode(codes.to(gen.device)).cpu() if codes is not None
+                    else torch.full_like(images[:1], 255))
             images = torch.cat([real, images])
         rows.append(images)
     grid = make_grid(torch.cat(rows), columns=per_prompt + with_reference)
