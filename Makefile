@@ -8,11 +8,13 @@ TORCH_PIN ?= torch==2.13.0
 .PHONY: install sysdeps demo test bench clean
 
 # System packages: python3-venv (the virtual environment), chromium (the browser tests drive
-# Debian's chromium through Playwright), iproute2 (the testbed's namespaces and tc links).
+# Debian's chromium through Playwright), iproute2 (the testbed's namespaces and tc links),
+# postgresql (the database tests start a throw-away cluster of it; the coordinator needs none).
 # Installed with apt when missing and run as root; otherwise stop with the command to run.
 SYSPKGS_MISSING = $(strip $(shell $(PY) -c "import ensurepip" 2>/dev/null || echo python3-venv) \
 	$(shell command -v chromium >/dev/null || echo chromium) \
-	$(shell command -v ip >/dev/null && command -v tc >/dev/null || echo iproute2))
+	$(shell command -v ip >/dev/null && command -v tc >/dev/null || echo iproute2) \
+	$(shell ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || echo postgresql))
 
 sysdeps:
 ifneq ($(SYSPKGS_MISSING),)

@@ -1,4 +1,5 @@
-"""Fixtures shared by the real-process swarm tests."""
+"""Fixtures shared by the tests: real-process swarms, and the database URLs (SQLite and a real
+PostgreSQL) the coordinator's storage is tested against."""
 
 import pytest
 
@@ -18,3 +19,21 @@ def swarm_factory(tmp_path):
     yield make
     for swarm in created:
         swarm.close()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL cluster for the whole test run (started once: a few seconds)."""
+    from tests.postgres import Cluster
+
+    cluster = Cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path):
+    """An empty database of each kind the README promises: a SQLite file, a PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'coordinator.sqlite'}"
+    return request.getfixturevalue("postgres").new_database()

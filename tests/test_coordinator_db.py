@@ -17,8 +17,8 @@ def metrics(peer_id, t, *, user="claimed", epoch=1, loss=3.0, samples=64):
             "samples_per_second": 10.0, "steps": 4, "client_mode": False, "last_round_peers": 2, "swarm_peers": 2}
 
 
-def test_users_keys_and_revocation(tmp_path):
-    store = Store(default_url(tmp_path))
+def test_users_keys_and_revocation(db_url):
+    store = Store(db_url)
     key = store.add_user("alice")
     assert store.user_for_key(key) == "alice" and store.user_for_key("ct_wrong") is None
     with pytest.raises(ValueError, match="revoke it first"):
@@ -34,8 +34,8 @@ def test_users_keys_and_revocation(tmp_path):
     assert "ct_" not in str(store.list_users()), "only hashes are stored"
 
 
-def test_leaderboard_counts_swarm_samples_under_the_authenticated_user_and_survives_a_restart(tmp_path):
-    url = default_url(tmp_path)
+def test_leaderboard_counts_swarm_samples_under_the_authenticated_user_and_survives_a_restart(db_url):
+    url = db_url
     store = Store(url)
     store.peer_joined("peerA", "alice", "ssh-rsa AAA")
     now = time.time()
@@ -57,8 +57,8 @@ def test_leaderboard_counts_swarm_samples_under_the_authenticated_user_and_survi
     assert reopened.leaderboard() == board and reopened.swarm_history() == history and reopened.peers() == peers
 
 
-def test_concurrent_counter_bumps_from_threads_all_count(tmp_path):
-    store = Store(default_url(tmp_path))
+def test_concurrent_counter_bumps_from_threads_all_count(db_url):
+    store = Store(db_url)
     threads = [threading.Thread(target=lambda: [store.bump("hits") for _ in range(20)]) for _ in range(4)]
     for t in threads:
         t.start()
@@ -78,10 +78,10 @@ def signed(tmp_path, user="anonymous", name="peer", now=None) -> dict:
     return token_request(key.get_public_key().to_bytes(), user, key.sign, now=now)
 
 
-def client_for(tmp_path, **auth):
+def client_for(tmp_path, url=None, **auth):
     run = tmp_path / "run"
     run.mkdir(exist_ok=True)
-    store = Store(default_url(run))
+    store = Store(url or default_url(run))
     settings = AuthSettings(key_path=run / "coordinator_key.pem", **auth)
     return TestClient(create_app(run, store=store, auth=settings)), store, CoordinatorKey.load_or_create(
         run / "coordinator_key.pem")
@@ -98,8 +98,8 @@ def test_open_runs_issue_tokens_bound_to_the_peer_key(tmp_path, identity):
     assert client.post("/api/token", json={"public_key": identity, "user": "<b>x</b>"}).status_code == 422
 
 
-def test_allowlist_runs_want_a_live_key(tmp_path, identity):
-    client, store, key = client_for(tmp_path, mode="allowlist")
+def test_allowlist_runs_want_a_live_key(tmp_path, identity, db_url):
+    client, store, key = client_for(tmp_path, db_url, mode="allowlist")
     r = client.post("/api/token", json={"public_key": identity})
     assert r.status_code == 401 and "--key" in r.json()["detail"]
     api_key = store.add_user("dave")

@@ -175,10 +175,20 @@ def valid_user_name(name: str) -> bool:
     return 1 <= len(name) <= 64 and name.isascii() and all(c.isalnum() or c in "-_." for c in name)
 
 
+def engine_url(url: str) -> str:
+    """``postgresql://`` (or ``postgres://``) with the driver installed: SQLAlchemy's default
+    for the scheme is psycopg2, and crowdtrain installs psycopg 3."""
+    for scheme in ("postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            return "postgresql+psycopg://" + url[len(scheme):]
+    return url
+
+
 class Store:
     """All reads and writes of the coordinator's database, as plain dicts (no ORM objects leak)."""
 
     def __init__(self, url: str):
+        url = engine_url(url)
         self.url = url
         connect_args = {"timeout": 30} if url.startswith("sqlite") else {}
         self.engine = create_engine(url, connect_args=connect_args)

@@ -1,0 +1,52 @@
+"""The coordinator on a real PostgreSQL (`--db postgresql://...`), as the README promises: a run's
+rows go there, and a restart of the coordinator loses none of them. The storage tests of
+tests/test_coordinator_db.py run on both SQLite and PostgreSQL (the ``db_url`` fixture)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.swarm_harness import get_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_a_coordinator_on_postgres_keeps_every_row_across_a_restart(postgres, swarm_factory):
+    import psycopg
+
+    url = postgres.new_database()
+    swarm = swarm_factory(swarm={"target_batch_size": 96, "checkpoint_every_epochs": 2, "matchmaking_time_s": 2.0})
+    extra = ["--db", url, "--samples-every", "0"]
+    swarm.start_coordinator(extra=extra)
+    for name in ("alice", "bob"):
+        swarm.join(name, batch_size=4, max_epochs=6)
+    for name in ("alice", "bob"):
+        assert swarm.wait_exit(name, 200) == 0, swarm.log(name)[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        board = get_json(f"{swarm.url}/api/leaderboard")
+        checkpoints = get_json(f"{swarm.url}/api/checkpoints")
+        if len(board) == 2 and all(row["samples"] > 0 for row in board) and checkpoints:
+            break
+        time.sleep(1)
+    assert sorted(row["user"] for row in board) == ["alice", "bob"] and checkpoints, (board, checkpoints)
+    history = get_json(f"{swarm.url}/api/history")
+    assert history and not (swarm.run_dir / "coordinator.sqlite").exists()
+    with psycopg.connect(url) as conn:  # the rows are in PostgreSQL
+        assert conn.execute("SELECT count(*) FROM contributions").fetchone()[0] > 0
+        assert conn.execute("SELECT count(*) FROM checkpoints WHERE NOT pruned").fetchone()[0] >= len(checkpoints)
+
+    swarm.kill("coordinator", signal.SIGTERM)
+    swarm.start_coordinator(extra=extra)
+    def counted(rows):  # what was earned, not whether the user is active now
+        return sorted((r["user"], r["samples"], r["compute_s"], r["epochs"]) for r in rows)
+
+    assert counted(get_json(f"{swarm.url}/api/leaderboard")) == counted(board)
+    names = {c["name"] for c in get_json(f"{swarm.url}/api/checkpoints")}
+    assert {c["name"] for c in checkpoints} <= names
+    after = get_json(f"{swarm.url}/api/history")
+    kept = {(p["time"], p["epoch"]) for p in after}
+    assert all((p["time"], p["epoch"]) in kept for p in history), "every point from before the restart"
