@@ -60,6 +60,11 @@ def test_an_interrupted_tokenizer_training_continues_where_it_stopped_and_ends_t
                  progress=False, resume_path=resume)
     with pytest.raises(TrainingInterrupted, match="stopped at step 40 of 60"):  # and a second interruption
         train_vq(images, cfg, progress=False, resume_path=resume, stop_after_steps=15)
+    good = resume.read_bytes()
+    resume.write_bytes(good[: len(good) // 2])  # cut short (a full disk)
+    with pytest.raises(ValueError, match="cannot be read .*delete it to start afresh"):
+        train_vq(images, cfg, progress=False, resume_path=resume)
+    resume.write_bytes(good)
     resumed = train_vq(images, cfg, progress=False, resume_path=resume)
     for k, v in whole.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k

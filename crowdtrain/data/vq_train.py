@@ -80,7 +80,7 @@ def _save_resume(path: Path, config: VQTrainConfig, n_images: int, step: int, mo
 
     from safetensors.torch import save_file
 
-    from crowdtrain.swarm.optimizer import flatten_optimizer_state
+    from crowdtrain.checkpoint import flatten_optimizer_state
 
     tensors, opt_meta = flatten_optimizer_state(opt.state_dict())
     tensors = {f"opt/{k}": v.contiguous() for k, v in tensors.items()}
@@ -98,12 +98,16 @@ def _load_resume(path: Path, config: VQTrainConfig, n_images: int, model, opt, s
 
     from safetensors import safe_open
 
-    from crowdtrain.swarm.optimizer import unflatten_optimizer_state
+    from crowdtrain.checkpoint import unflatten_optimizer_state
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    saved = json.loads(meta["config"])
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        saved = json.loads(meta["config"])
+    except Exception as e:  # a file cut short by a full disk, or not ours
+        raise ValueError(f"{path} (an interrupted training's state) cannot be read ({type(e).__name__}: {e}); "
+                         f"delete it to start afresh") from e
     ours = json.loads(json.dumps(dataclasses.asdict(config)))
     if saved != ours or int(meta["images"]) != n_images:
         changed = sorted(k for k in ours if saved.get(k) != ours[k])

@@ -21,6 +21,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.grad_averager import GradientAverager
 
+from crowdtrain.checkpoint import flatten_optimizer_state, unflatten_optimizer_state  # noqa: F401 (re-exported)
 from crowdtrain.optim import linear_warmup_decay, param_groups
 from crowdtrain.swarm.auth import AccessGuard, guarded
 from crowdtrain.swarm import metrics as swarm_metrics
@@ -497,34 +498,3 @@ def all_finite(tensors) -> bool:
     return all(torch.isfinite(t).all() for t in half)
 
 
-def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split an optimizer state dict into named tensors and JSON, for safetensors checkpoints."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(obj, path):
-        if isinstance(obj, torch.Tensor):
-            name = "/".join(path)
-            tensors[name] = obj
-            return {"__tensor__": name}
-        if isinstance(obj, dict):
-            return {"__dict__": [[k, walk(v, path + [str(k)])] for k, v in obj.items()]}
-        if isinstance(obj, (list, tuple)):
-            return {"__list__": [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        raise ValueError(f"cannot store optimizer state entry {'/'.join(path)} of type {type(obj).__name__}")
-
-    return tensors, {"structure": walk(state_dict, [])}
-
-
-def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    def build(node):
-        if isinstance(node, dict) and "__tensor__" in node:
-            return tensors[node["__tensor__"]]
-        if isinstance(node, dict) and "__dict__" in node:
-            return {k: build(v) for k, v in node["__dict__"]}
-        if isinstance(node, dict) and "__list__" in node:
-            return [build(v) for v in node["__list__"]]
-        return node
-
-    return build(meta["structure"])
