@@ -29,19 +29,19 @@ def crowdtrain(*args: str, timeout: float = 240) -> str:
     return out.stdout
 
 
+def image_folder(folder, num: int, seed: int):
+    """Own pictures as an organizer has them: PNG files, each with a same-named .txt caption."""
+    folder.mkdir()
+    for item in stripes_items(num, seed=seed):
+        name = item.source.replace("/", "_")
+        Image.fromarray(item.image).save(folder / name)
+        (folder / name).with_suffix(".txt").write_text(item.caption)
+    return folder
+
+
 def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
-    images = tmp_path / "my_images"
-    images.mkdir()
-    for item in stripes_items(60, seed=3):
-        name = item.source.replace("/", "_")
-        Image.fromarray(item.image).save(images / name)
-        (images / name).with_suffix(".txt").write_text(item.caption)
-    valid = tmp_path / "my_valid"
-    valid.mkdir()
-    for item in stripes_items(8, seed=4):
-        name = item.source.replace("/", "_")
-        Image.fromarray(item.image).save(valid / name)
-        (valid / name).with_suffix(".txt").write_text(item.caption)
+    images = image_folder(tmp_path / "my_images", 60, seed=3)
+    valid = image_folder(tmp_path / "my_valid", 8, seed=4)
 
     # Step 2 of the guide: an image tokenizer and a text tokenizer of one's own, then shards.
     vq, text = tmp_path / "my_vq.safetensors", tmp_path / "my_text_tokenizer.json"
