@@ -127,10 +127,7 @@ def image_tokenizer_layout(path) -> tuple[int, tuple[int, int] | None] | None:
 def _default_image_tokenizer(shards_dir: Path | None) -> Path:
     """The shipped tokenizer the shards were made with, as their ``shards.json`` records it: the
     bundled shapes data's palette codes, or (anything else) the learned VQ, `data prepare`'s default."""
-    try:
-        kind = json.loads((shards_dir / "shards.json").read_text())["image_tokenizer"]["kind"]
-    except (TypeError, OSError, ValueError, KeyError):
-        kind = None
+    kind = ((read_shards_manifest(shards_dir) or {}).get("image_tokenizer") or {}).get("kind")
     return ASSETS / ("shapes_palette.safetensors" if kind == "palette_mask" else "shapes_vq.safetensors")
 
 
