@@ -146,6 +146,45 @@ class Swarm:
                         pass
 
 
+def check_ledger(swarm: Swarm, summaries: dict[str, dict], timeout: float = 40.0) -> dict:
+    """The accounting identity on a finished run (each peer its own user): the leaderboard credits
+    each user exactly the samples its peer's ledger credited; per epoch, the peers' credited
+    weights add up to what the round averaged as its reducers saw it (``round_weight``, from the
+    aggregation side); no user is credited more steps than its peer took part in. Waits for the
+    auxiliary peer to read the peers' last records. Returns the leaderboard by user."""
+    expected = {name: s["credited_samples"] for name, s in summaries.items()}
+    deadline = time.monotonic() + timeout
+    while True:
+        board = {row["user"]: row for row in get_json(f"{swarm.url}/api/leaderboard")}
+        got = {name: board.get(name, {}).get("samples", 0) for name in summaries}
+        if got == expected or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert got == expected, f"leaderboard {got} != the peers' ledgers {expected}"
+    for name, s in summaries.items():
+        assert board[name]["epochs"] == s["credited_steps"], (name, board[name], s["credited_steps"])
+        assert s["credited_steps"] <= s["final_epoch"] - s["joined_epoch"] + 1, (name, s["credited_steps"])
+        assert sum(c["samples"] for c in s["credits"] if c["credited"]) == s["credited_samples"], name
+    # Rounds that every member credited: the members' weights are what the reducers averaged.
+    by_epoch: dict[int, list[dict]] = {}
+    for s in summaries.values():
+        for r in s["rounds"]:
+            if "round_weight" in r:
+                by_epoch.setdefault(r["epoch"], []).append(r)
+    checked = 0
+    for epoch, rounds in by_epoch.items():
+        seen = max(r["round_weight"] for r in rounds)
+        groups = {r["group_size"] for r in rounds}
+        if (seen > 0 and len(groups) == 1 and len(rounds) == groups.pop() and all(r["credited"] for r in rounds)
+                and not any(r.get("partial") for r in rounds)):
+            assert sum(r["weight"] for r in rounds) == seen, (epoch, seen, rounds)
+            checked += 1
+    assert checked >= 1, f"no round to check the weights of: {by_epoch}"
+    print(f"ledger: {expected} credited, as on the leaderboard; {checked} of {len(by_epoch)} rounds' weights "
+          "checked against their reducers'")
+    return board
+
+
 # Lines no run should print: third-party noise a user cannot act on (crowdtrain/noise.py) and
 # warnings about crowdtrain's own settings.
 NOISE_LINES = ("Failed to load CPU gemm_4bit_forward", "Another look_for_group is already in progress",

@@ -1,5 +1,6 @@
 """The coordinator's database and its token endpoint: users, contributions, limits, restarts."""
 
+import functools
 import threading
 import time
 
@@ -41,9 +42,10 @@ def test_leaderboard_counts_swarm_samples_under_the_authenticated_user_and_survi
     now = time.time()
     assert store.record_metrics([metrics("peerA", now, user="bob-impersonator"), metrics("peerB", now - 600, user="bob")]) == 2
     assert store.record_metrics([metrics("peerA", now)]) == 0, "a record is stored once"
-    for epoch, samples in [(1, 100), (2, 80), (2, 120)]:
-        store.record_contribution(peer_id="peerA", epoch=epoch, samples=samples, samples_per_second=10.0)
-    store.record_contribution(peer_id="peerB", epoch=1, samples=50, samples_per_second=5.0)
+    for epoch, samples, steps in [(1, 100, 1), (2, 180, 2), (2, 220, 2)]:  # cumulative, as peers publish
+        store.record_credit(peer_id="peerA", session="a1", samples=samples, steps=steps, epoch=epoch,
+                            samples_per_second=10.0)
+    store.record_credit(peer_id="peerB", session="b1", samples=50, steps=1, epoch=1, samples_per_second=5.0)
     store.record_swarm_point(epoch=2, loss=3.0, active_peers=2, samples_per_second=15.0)
     board = store.leaderboard()
     assert [(r["user"], r["samples"]) for r in board] == [("alice", 220), ("bob", 50)]
@@ -55,6 +57,65 @@ def test_leaderboard_counts_swarm_samples_under_the_authenticated_user_and_survi
 
     reopened = Store(url)  # a coordinator restart
     assert reopened.leaderboard() == board and reopened.swarm_history() == history and reopened.peers() == peers
+
+
+def test_the_ledger_credits_each_sample_once_across_repeats_restarts_and_new_sessions(db_url):
+    """A peer publishes cumulative counts (crowdtrain.swarm.metrics.Ledger); the coordinator
+    credits what grew since the last record of that session. The leaderboard's total is then the
+    peers' own totals, whichever records it saw, twice or after a restart."""
+    store = Store(db_url)
+    store.peer_joined("peerA", "alice", "pk-a")
+    store.peer_joined("peerB", "bob", "pk-b")
+    credit = functools.partial(store.record_credit, samples_per_second=10.0, max_samples_per_step=512)
+    assert credit(peer_id="peerA", session="a1", samples=200, steps=1, epoch=0)["samples"] == 200
+    assert credit(peer_id="peerA", session="a1", samples=200, steps=1, epoch=0)["samples"] == 0, "seen twice"
+    # Records missed in between lose nothing: the next one carries the whole count.
+    assert credit(peer_id="peerA", session="a1", samples=900, steps=4, epoch=3)["samples"] == 700
+    assert credit(peer_id="peerA", session="a1", samples=700, steps=3, epoch=2)["samples"] == 0, "out of order"
+    store.close()
+    store = Store(db_url)  # a coordinator restart re-reads the same records
+    credit = functools.partial(store.record_credit, samples_per_second=10.0, max_samples_per_step=512)
+    assert credit(peer_id="peerA", session="a1", samples=900, steps=4, epoch=3)["samples"] == 0
+    # The peer restarted with the same identity: a new session counts from zero.
+    assert credit(peer_id="peerA", session="a2", samples=100, steps=1, epoch=5)["samples"] == 100
+    # Claims beyond what a step can hold (2 x the target batch) are cut to the bound.
+    assert credit(peer_id="peerB", session="b1", samples=10_000, steps=2, epoch=2) == {"samples": 1024, "steps": 2,
+                                                                                        "clamped": 8976}
+    # A record from a peer no token was issued to credits nothing.
+    assert credit(peer_id="stranger", session="s", samples=50, steps=1, epoch=1)["samples"] == 0
+    board = {r["user"]: r for r in store.leaderboard()}
+    assert board["alice"]["samples"] == 1000 and board["bob"]["samples"] == 1024
+    assert board["alice"]["epochs"] == 5 and board["bob"]["epochs"] == 2
+    assert "stranger" not in board
+    store.close()
+
+
+def test_the_ledger_columns_are_added_to_an_older_database(tmp_path):
+    """A database from before the ledger (no steps, no ledger columns) opens, keeps its rows, and
+    each old contribution row counts as one epoch."""
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    Store(f"sqlite:///{path}").close()
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE contributions DROP COLUMN steps")
+    for column in ("ledger_session", "ledger_samples", "ledger_steps"):
+        con.execute(f"ALTER TABLE peers DROP COLUMN {column}")
+    con.execute("INSERT INTO peers (peer_id, user, first_seen, last_seen, epoch, samples_per_second, client_mode, "
+                "last_round_peers) VALUES ('peerA', 'alice', 0, 0, 3, 0, 0, 0)")
+    for epoch in (1, 2):
+        con.execute("INSERT INTO contributions (peer_id, user, epoch, samples, compute_s, time) "
+                    f"VALUES ('peerA', 'alice', {epoch}, 100, 10, 0)")
+    con.commit()
+    con.close()
+    store = Store(f"sqlite:///{path}")
+    assert store.leaderboard()[0] | {"last_seen": None} == {
+        "user": "alice", "samples": 200, "compute_s": 20.0, "epochs": 2, "peers": 1, "last_seen": None,
+        "revoked": False, "active": False}
+    assert store.record_credit(peer_id="peerA", session="a1", samples=64, steps=1, epoch=3,
+                               samples_per_second=8.0)["samples"] == 64
+    assert store.leaderboard()[0]["samples"] == 264
+    store.close()
 
 
 def test_concurrent_counter_bumps_from_threads_all_count(db_url):

@@ -8,6 +8,7 @@ from crowdtrain.checkpoint import latest_checkpoint, load_optimizer_state, read_
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
 from crowdtrain.swarm.diloco import params_digest
+from tests.swarm_harness import check_ledger
 from tests.test_swarm import eval_loss, initial_loss
 
 
@@ -49,6 +50,7 @@ def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_
         assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
     summaries = {n: swarm.summary(n) for n in names}
     assert all(s["final_epoch"] >= epochs for s in summaries.values()), {n: s["final_epoch"] for n, s in summaries.items()}
+    check_ledger(swarm, summaries)
 
     # Right after every sync, every peer in the round holds bit-identical global parameters. Not
     # counted: rounds a peer knows lost a split (``diverged``), and rounds of a group smaller than

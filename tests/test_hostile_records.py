@@ -57,7 +57,8 @@ class Peer:
         """An honest peer's record, with ``changes``."""
         return {"peer_id": self.peer_id, "epoch": 3, "samples": 640, "samples_per_second": 20.0, "loss": 4.5,
                 "steps": 40, "time": time.time(), "client_mode": False, "last_round_peers": 2, "swarm_peers": 2,
-                "fingerprint": "f" * 16, "user": self.name, "maddrs": [], **self.endorsement, **changes}
+                "fingerprint": "f" * 16, "user": self.name, "maddrs": [], **self.endorsement,
+                "session": f"{self.name}-1", "credited_samples": 640, "credited_steps": 2, **changes}
 
     def store(self, value: dict) -> None:
         self.dht.store(swarm_metrics.metrics_key(RUN_ID), subkey=self.signer.local_public_key, value=value,
@@ -294,3 +295,20 @@ def test_an_auxiliary_peer_that_dies_anyway_is_started_again_on_its_port(run):
     wait_for("the late peer's record did not arrive",
              lambda: [m for m in get_json(f"{run.url}/api/metrics") if m["peer_id"] == late.peer_id], swarm=run)
     assert "exited with code -9; starting it again" in run.log("coordinator")
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_claiming_more_samples_than_its_steps_can_hold_is_credited_the_bound_only(run):
+    """A peer's ledger is its own claim: a step averages about the target batch (384 here), so
+    the coordinator credits at most twice that per step, and counts the claim."""
+    boaster = run.peer("boaster")
+    boaster.store(boaster.record())
+
+    def credited() -> int:
+        return {r["user"]: r["samples"] for r in get_json(f"{run.url}/api/leaderboard")}.get("boaster", 0)
+
+    wait_for("the honest record was not credited", lambda: credited() == 640, swarm=run)
+    boaster.store(boaster.record(credited_samples=10**12, credited_steps=3, time=time.time() + 1))
+    wait_for("the boast was not cut", lambda: counter(run, "credit_claims_over_step_bound") == 1, swarm=run)
+    assert credited() == 640 + 2 * 384, credited()
+

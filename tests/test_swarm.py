@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from crowdtrain.model import DalleTransformer, get_preset
+from crowdtrain.swarm.metrics import Ledger
 from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
-from tests.swarm_harness import noise_in
+from tests.swarm_harness import check_ledger, noise_in
 
 
 def eval_loss(path) -> float:
@@ -98,6 +99,9 @@ def test_three_unequal_peers_train_one_model(swarm_factory):
     # The coordinator collected metrics and wrote checkpoints.
     checkpoints = swarm.status()["last_checkpoint_epoch"]
     assert checkpoints >= 3
+    # Every sample that went into a step is on the leaderboard, once, under its user.
+    board = check_ledger(swarm, summaries)
+    assert sum(r["samples"] for r in board.values()) >= epochs * 768 * 0.5, board
 
 
 @pytest.mark.timeout(480)
@@ -220,6 +224,18 @@ def test_a_peer_with_a_different_model_is_refused(swarm_factory):
                              "--model", "head_dim=8"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "differs from the run's" in result.stderr and "Install the crowdtrain version" in result.stderr
+
+
+def test_a_round_credits_the_peers_weight_only_when_its_gradients_went_into_a_step():
+    ledger = Ledger()
+    assert ledger.credit(epoch=0, samples=200, group_size=3, swarm_peers=3)
+    assert not ledger.credit(epoch=1, samples=180, group_size=1, swarm_peers=3), "the others went on without it"
+    assert ledger.credit(epoch=2, samples=256, group_size=1, swarm_peers=1), "alone, its step is the swarm's"
+    assert not ledger.credit(epoch=3, samples=0, group_size=3, swarm_peers=3), "tagged along with no samples"
+    assert not ledger.credit(epoch=4, samples=100, group_size=2, swarm_peers=2, discarded=True), "state downloaded"
+    assert ledger.record_fields() == {"session": ledger.session, "credited_samples": 456, "credited_steps": 2}
+    assert [e["credited"] for e in ledger.entries] == [True, False, True, False, False]
+    assert Ledger().session != ledger.session, "a restarted peer is a new session"
 
 
 def test_the_trainers_finite_check_finds_one_bad_value_in_any_float_dtype():

@@ -104,12 +104,13 @@ def run(tmp_path):
     store.record_metrics(live + [metrics("QmGonePeer000000000000003", "dave", now - 3600, epoch=2, loss=5.5,
                                          rate=9.0, client_mode=True, last_round_peers=0),
                                  metrics("QmEvilPeer000000000000004", EVIL, now - 7200, epoch=1, loss=6.0, rate=1.0)])
-    for epoch in range(4, 12):  # as the auxiliary peer reads hivemind's progress records
-        store.record_contribution(peer_id="QmAlicePeer00000000000001", epoch=epoch, samples=300,
-                                  samples_per_second=40.0)
-        store.record_contribution(peer_id="QmBobPeer0000000000000002", epoch=epoch, samples=84,
-                                  samples_per_second=15.5)
-    store.record_contribution(peer_id="QmEvilPeer000000000000004", epoch=1, samples=5, samples_per_second=1.0)
+    for step in range(1, 9):  # as the auxiliary peer credits the peers' ledgers, epochs 4..11
+        store.record_credit(peer_id="QmAlicePeer00000000000001", session="a", samples=300 * step, steps=step,
+                            epoch=3 + step, samples_per_second=40.0)
+        store.record_credit(peer_id="QmBobPeer0000000000000002", session="b", samples=84 * step, steps=step,
+                            epoch=3 + step, samples_per_second=15.5)
+    store.record_credit(peer_id="QmEvilPeer000000000000004", session="e", samples=5, steps=1, epoch=1,
+                        samples_per_second=1.0)
     store.add_user("carol")
     store.peer_joined("QmCarolPeer00000000000005", "carol", "pk-c")
     store.revoke_user("carol")
@@ -269,7 +270,8 @@ def test_absurd_values_already_in_the_database_break_no_page(run):
     store, zed = run.store, "QmFuturePeer0000000000006"
     store.peer_joined(zed, "zed", "pk-z")
     store.record_metrics([metrics(zed, "zed", 1e12, epoch=999, loss=float("inf"), rate=float("inf"))])
-    store.record_contribution(peer_id=zed, epoch=3, samples=10, samples_per_second=5e-324)  # compute time: inf
+    store.record_credit(peer_id=zed, session="z", samples=10, steps=1, epoch=3,
+                        samples_per_second=5e-324)  # compute time: inf
     client = run()
     for page in PAGES:
         assert client.get(page).status_code == 200, page

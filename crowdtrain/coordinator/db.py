@@ -6,9 +6,12 @@ issued, join attempts) and the auxiliary peer (metrics, contributions, checkpoin
 SQLite runs in WAL mode with a busy timeout so they do not trip over each other. Everything a
 page shows is read from here, so a coordinator restart loses nothing.
 
-Contributions are *counted by the swarm*: the samples each peer reported to hivemind's progress
-tracker for a global epoch, i.e. the weight its gradients carried when that epoch's averaging
-happened, not wall time and not what a peer claims in its own metrics.
+Contributions are the samples that went into global steps: a peer's weight in each round it
+finished in a group (or its step when alone in the swarm), as its ledger counts them
+(``crowdtrain.swarm.metrics.Ledger``), credited once each to the user its token was issued to.
+Samples of a round the swarm finished without that peer are not credited: they trained nothing.
+The counts are the peer's own claim, signed with its identity; a claim of more than twice the
+target batch per step is cut to that.
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ class Peer(Base):
     last_round_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
     last_round_peers: Mapped[int] = mapped_column(Integer, default=0)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The peer's ledger as last credited (crowdtrain.swarm.metrics.Ledger): its session and the
+    # cumulative samples and steps of that session already in ``contributions``.
+    ledger_session: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    ledger_samples: Mapped[int] = mapped_column(Integer, default=0)
+    ledger_steps: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class MetricsReport(Base):
@@ -90,12 +98,15 @@ class SwarmPoint(Base):
 
 
 class Contribution(Base):
+    """A peer's samples that went into global steps, credited at its epoch ``epoch`` (the steps
+    were the ones before it)."""
     __tablename__ = "contributions"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     peer_id: Mapped[str] = mapped_column(String(128), index=True)
     user: Mapped[str] = mapped_column(String(64), index=True)
     epoch: Mapped[int] = mapped_column(Integer)
     samples: Mapped[int] = mapped_column(Integer)
+    steps: Mapped[int] = mapped_column(Integer, default=0)  # global steps those samples went into
     compute_s: Mapped[float] = mapped_column(Float)  # samples / the peer's reported rate
     time: Mapped[float] = mapped_column(Float)
     __table_args__ = (UniqueConstraint("peer_id", "epoch"),)
@@ -207,7 +218,16 @@ class Store:
         """Columns added since a database was created (create_all makes missing tables only):
         a restarted coordinator keeps its old database and every row in it."""
         present = {c["name"] for c in inspect(self.engine).get_columns("samples")}
+        peers = {c["name"] for c in inspect(self.engine).get_columns("peers")}
+        contributions = {c["name"] for c in inspect(self.engine).get_columns("contributions")}
         with self.engine.begin() as conn:
+            if "ledger_session" not in peers:
+                conn.execute(sql("ALTER TABLE peers ADD COLUMN ledger_session VARCHAR(32)"))
+                conn.execute(sql("ALTER TABLE peers ADD COLUMN ledger_samples INTEGER NOT NULL DEFAULT 0"))
+                conn.execute(sql("ALTER TABLE peers ADD COLUMN ledger_steps INTEGER NOT NULL DEFAULT 0"))
+            if "steps" not in contributions:
+                # Older rows were one per peer and epoch.
+                conn.execute(sql("ALTER TABLE contributions ADD COLUMN steps INTEGER NOT NULL DEFAULT 1"))
             if "tag" not in present:
                 conn.execute(sql("ALTER TABLE samples ADD COLUMN tag VARCHAR(64)"))
                 # Rows from before were all the shapes run's seen and held-out prompts.
@@ -321,18 +341,39 @@ class Store:
                              samples_per_second=samples_per_second))
 
     @_conflict_retrying
-    def record_contribution(self, *, peer_id: str, epoch: int, samples: int, samples_per_second: float,
-                            user: str | None = None) -> None:
-        """One peer's samples in one global epoch (idempotent: a repeat keeps the larger count)."""
+    def record_credit(self, *, peer_id: str, session: str, samples: int, steps: int, epoch: int,
+                      samples_per_second: float, max_samples_per_step: int | None = None) -> dict:
+        """Credit what a peer's ledger grew by since the last record of the same session (a new
+        session counts from 0), in one transaction with the ledger's new position: a record seen
+        twice, or again after a restart, credits nothing. A record behind the last one (out of
+        order) credits nothing. ``max_samples_per_step``: more samples per step than this is not an
+        honest round's weight; the excess is not credited. Returns {"samples", "steps", "clamped"}."""
         with self.session.begin() as s:
-            row = s.scalar(select(Contribution).where(Contribution.peer_id == peer_id, Contribution.epoch == epoch))
-            compute_s = samples / samples_per_second if samples_per_second > 0 else 0.0
-            if row is None:
-                peer = s.get(Peer, peer_id)
-                s.add(Contribution(peer_id=peer_id, user=(peer.user if peer else None) or user or "anonymous",
-                                   epoch=epoch, samples=samples, compute_s=compute_s, time=time.time()))
-            elif samples > row.samples:
-                row.samples, row.compute_s = samples, compute_s
+            peer = s.get(Peer, peer_id)
+            if peer is None:  # screened records come from peers with a token, so it exists
+                return {"samples": 0, "steps": 0, "clamped": 0}
+            same = peer.ledger_session == session
+            new_samples = samples - (peer.ledger_samples or 0) if same else samples
+            new_steps = steps - (peer.ledger_steps or 0) if same else steps
+            if new_samples < 0 or new_steps < 0 or (new_samples == 0 and new_steps == 0):
+                return {"samples": 0, "steps": 0, "clamped": 0}
+            credited, clamped = new_samples, 0
+            if max_samples_per_step is not None and new_samples > max_samples_per_step * max(new_steps, 0):
+                credited = max_samples_per_step * max(new_steps, 0)
+                clamped = new_samples - credited
+            peer.ledger_session, peer.ledger_samples, peer.ledger_steps = session, samples, steps
+            if credited or new_steps:
+                row = s.scalar(select(Contribution).where(Contribution.peer_id == peer_id,
+                                                          Contribution.epoch == epoch))
+                compute_s = credited / samples_per_second if samples_per_second > 0 else 0.0
+                if row is None:
+                    s.add(Contribution(peer_id=peer_id, user=peer.user, epoch=epoch, samples=credited,
+                                       steps=new_steps, compute_s=compute_s, time=time.time()))
+                else:
+                    row.samples += credited
+                    row.steps += new_steps
+                    row.compute_s += compute_s
+            return {"samples": credited, "steps": new_steps, "clamped": clamped}
 
     def bump(self, name: str, by: int = 1) -> None:
         def write():
@@ -427,12 +468,21 @@ class Store:
         """Per user: samples the swarm counted, compute time, last seen, active; most samples first."""
         now = now or time.time()
         with self.session() as s:
-            totals = {row.user: {"samples": int(row.samples or 0), "compute_s": _finite(row.compute_s) or 0.0,
-                                 "epochs": int(row.epochs or 0)}
+            totals = {row.user: {"samples": int(row.samples or 0), "compute_s": _finite(row.compute_s) or 0.0}
                       for row in s.execute(select(Contribution.user, func.sum(Contribution.samples).label("samples"),
-                                                  func.sum(Contribution.compute_s).label("compute_s"),
-                                                  func.count(Contribution.epoch.distinct()).label("epochs"))
+                                                  func.sum(Contribution.compute_s).label("compute_s"))
                                            .group_by(Contribution.user))}
+            # Epochs: the global steps a user's samples went into; two of their peers in one step count once.
+            steps_at: dict[tuple[str, int], int] = {}
+            for row in s.execute(select(Contribution.user, Contribution.epoch, Contribution.steps)
+                                 .where(Contribution.steps > 0)):
+                key = (row.user, row.epoch)
+                steps_at[key] = max(steps_at.get(key, 0), int(row.steps))
+            for (user, _), steps in steps_at.items():
+                totals.setdefault(user, {"samples": 0, "compute_s": 0.0})
+                totals[user]["epochs"] = totals[user].get("epochs", 0) + steps
+            for total in totals.values():
+                total.setdefault("epochs", 0)
             plausible = case((Peer.last_seen <= now + MAX_CLOCK_SKEW_S, Peer.last_seen), else_=None)
             seen = {row.user: (row.last_seen, row.peers)
                     for row in s.execute(select(Peer.user, func.max(plausible).label("last_seen"),

@@ -308,7 +308,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
             raise HTTPException(422, "limit must be between 1 and 100000")
         return store.metrics(limit=limit, peer_id=peer_id)
 
-    @app.get("/api/leaderboard", summary="Per user: samples counted by the swarm, compute time, last seen")
+    @app.get("/api/leaderboard", summary="Per user: samples that went into global steps, steps, compute time, last seen")
     def api_leaderboard() -> list[dict]:
         return store.leaderboard()
 

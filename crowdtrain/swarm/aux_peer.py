@@ -30,7 +30,6 @@ from pathlib import Path
 
 import hivemind
 import torch
-from hivemind.p2p import PeerID
 
 from crowdtrain.checkpoint import (checkpoint_name, latest_checkpoint, load_optimizer_state, prune_checkpoints,
                                    save_checkpoint)
@@ -233,7 +232,7 @@ class AuxPeer:
         rate = sum(r.samples_per_second for r in live)
         mean_loss = sum(r.loss for r in live) / len(live) if live else None
         self.store.record_swarm_point(epoch=epoch, loss=mean_loss, active_peers=len(live), samples_per_second=rate)
-        self.collect_contributions()
+        self.credit(fresh)
         # Bumped by what is new since the last turn, so the counts add up across restarts.
         self.store.add_new_counts(self._reported, {"metrics_records_refused": int(self.refused_records.value),
                                                    "averaging_requests_refused": int(self.guard.refused)})
@@ -244,32 +243,27 @@ class AuxPeer:
             "metrics_records_refused": int(self.refused_records.value), "metrics_records_dropped": self.dropped})
         return live
 
-    def collect_contributions(self) -> None:
-        """Samples per peer per global epoch, as hivemind's progress tracker counted them: what the
-        swarm weighed that peer's gradients by (sampled every refresh, so a lower bound)."""
-        try:
-            found = self.dht.get(f"{self.swarm.run_id}_progress", latest=True, return_future=True).result(timeout=10)
-        except Exception as e:
-            logger.debug("could not read progress records: %r", e)
-            return
-        if found is None or not isinstance(found.value, dict):
-            return
-        for entry in found.value.values():
-            progress = entry.value
+    def credit(self, records: list[swarm_metrics.PeerMetrics]) -> None:
+        """Credit each peer's samples that went into global steps (its signed, cumulative ledger in
+        its metrics record; see ``crowdtrain.swarm.metrics.Ledger``) to the user its token was
+        issued to. A round weighs a peer by the samples it accumulated, which is at most about the
+        target batch: more than twice that per step is not credited (such claims are counted in
+        /api/counters as credit_claims_over_step_bound)."""
+        for r in records:
+            if not r.session:
+                continue  # a peer from before ledgers: nothing it reports can be credited exactly
             try:
-                peer_id = str(PeerID(progress["peer_id"]))
-                samples, epoch = int(progress["samples_accumulated"]), int(progress["epoch"])
-                rate = float(progress["samples_per_second"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            # As for metrics: counts that fit the database, a finite rate (or none).
-            if not (0 < samples <= swarm_metrics.MAX_COUNT and 0 <= epoch <= swarm_metrics.MAX_COUNT):
-                continue
-            rate = rate if 0.0 <= rate <= swarm_metrics.MAX_SAMPLES_PER_SECOND else 0.0
-            try:
-                self.store.record_contribution(peer_id=peer_id, epoch=epoch, samples=samples, samples_per_second=rate)
+                done = self.store.record_credit(peer_id=r.peer_id, session=r.session, samples=r.credited_samples,
+                                                steps=r.credited_steps, epoch=max(0, r.epoch - 1),
+                                                samples_per_second=r.samples_per_second,
+                                                max_samples_per_step=2 * self.swarm.target_batch_size)
             except Exception as e:
-                self._log_once("contribution", "could not store a contribution of peer %s: %r", peer_id, e)
+                self._log_once("contribution", "could not credit peer %s: %r", r.peer_id, e)
+                continue
+            if done["clamped"]:
+                self.store.bump("credit_claims_over_step_bound")
+                self._log_once(("clamped", r.peer_id), "peer %s claims %d samples more than its %d step(s) "
+                               "can hold; not credited", r.peer_id, done["clamped"], r.credited_steps)
 
     def maybe_checkpoint(self, live: list[swarm_metrics.PeerMetrics], *, force: bool = False) -> None:
         swarm_epoch = max([r.epoch for r in live], default=0)

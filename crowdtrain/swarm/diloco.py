@@ -57,6 +57,7 @@ from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
 from crowdtrain.optim import param_groups, warmup_decay_at
+from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import swarm_epoch_now
@@ -235,6 +236,7 @@ class DiLoCoOptimizer:
         self.scheduled = None
         self.pending: dict | None = None  # an overlapped round in flight (``overlap_outer_round``)
         self.rounds: list[dict] = []
+        self.ledger = swarm_metrics.Ledger()
         self.blocked_s = 0.0  # time the trainer spent in rounds and state downloads instead of computing
         self._last_round_end = -float("inf")
         self._consensus_check_at: float | None = None  # after a round smaller than the swarm (see _heal_split)
@@ -425,7 +427,7 @@ class DiLoCoOptimizer:
         epoch = self.local_epoch
         with self.tracker.pause_updates():
             round_ = {"epoch": epoch, "swarm_peers": self.tracker.global_progress.num_peers, "t0": t0,
-                      "before": self.averager.wire_stats.snapshot()}
+                      "before": self.averager.wire_stats.snapshot(), "weight": self.samples_in_round}
             with torch.no_grad(), self.averager.get_tensors() as buffers:
                 for buffer, g, p in zip(buffers, self.global_params, self.params):
                     buffer.copy_(g).sub_(p.detach().to("cpu", torch.float32))  # pseudo-gradient
@@ -485,7 +487,10 @@ class DiLoCoOptimizer:
         round_, self.pending = self.pending, None
         control = round_["control"]
         try:
-            control.result(max(0.0, round_["deadline"] - time.monotonic()))
+            gathered = control.result(max(0.0, round_["deadline"] - time.monotonic()))
+            # Our samples are in the group's step, though we leave before applying it.
+            self.ledger.credit(epoch=round_["epoch"], samples=round_["weight"], group_size=len(gathered or ()),
+                               swarm_peers=round_["swarm_peers"])
         except BaseException as e:
             logger.debug("a round this peer left early failed: %r", e)
             if not control.done():
@@ -521,6 +526,8 @@ class DiLoCoOptimizer:
         after = self.averager.wire_stats.snapshot()
         missing = after["elements_missing"] - before["elements_missing"]
         diverged = self._diverged(gathered, swarm_peers, missing)
+        credited = self.ledger.credit(epoch=epoch, samples=round_["weight"], group_size=group_size,
+                                      swarm_peers=swarm_peers, discarded=diverged)
         if self._minority_base:
             # Our global parameters (the previous sync's result) were not the majority's:
             # that sync split the swarm and ours was not the canonical result.
@@ -539,7 +546,9 @@ class DiLoCoOptimizer:
                   "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
                   "aggregate_s": after["aggregate_s"] - before["aggregate_s"],
                   "parts_dropped": after["parts_dropped"] - before["parts_dropped"],
-                  "params_sha": params_digest(self.global_params), "diverged": diverged}
+                  "params_sha": params_digest(self.global_params), "diverged": diverged,
+                  "weight": round_["weight"], "credited": credited,
+                  "round_weight": after["weight_averaged"] - before["weight_averaged"]}
         with self._rounds_lock:
             self.rounds.append(record)
         self._last_round_end = time.monotonic()

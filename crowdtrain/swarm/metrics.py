@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import re
+import secrets
+import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List
 
@@ -71,6 +73,49 @@ class PeerMetrics(pydantic.BaseModel):
     # key that signs this record (see endorsement).
     identity: pydantic.constr(strict=True, max_length=1024) = ""
     identity_proof: pydantic.constr(strict=True, max_length=1024) = ""
+    # The peer's Ledger: a random id of this process's run, and since it started, the samples and
+    # steps of the global steps its samples went into. Cumulative, so a missed record loses nothing.
+    session: pydantic.constr(strict=True, max_length=32) = ""
+    credited_samples: Count = 0
+    credited_steps: Count = 0
+
+
+class Ledger:
+    """Which of this peer's samples went into a global step: what the leaderboard credits.
+
+    A round credits this peer's weight in it (the samples it accumulated for it; 0 when it tagged
+    along) when its gradients were averaged into the group's step: it finished the round in a group
+    of two or more, or it was alone in the swarm (a lone peer's step is the swarm's). Not credited:
+    a round the others finished without this peer, or one whose result it threw away for the
+    group's state. Each peer credits only its own weight, so every sample of a step is credited to
+    exactly one peer, once; the leaderboard's total is the sum over steps of what they averaged.
+
+    The counts are cumulative for this process (``session``): the coordinator credits what grew
+    since the last record it saw of this session, so a missed record or a coordinator restart
+    loses nothing and counts nothing twice, and a restarted peer (a new session) starts from 0."""
+
+    def __init__(self):
+        self.session = secrets.token_hex(8)
+        self._lock = threading.Lock()
+        self.samples = self.steps = 0
+        self.entries: list[dict] = []  # per round: epoch, samples (its weight), group size, credited
+
+    def credit(self, *, epoch: int, samples: float, group_size: int, swarm_peers: int,
+               discarded: bool = False) -> bool:
+        samples = int(samples)
+        credited = samples > 0 and not discarded and (group_size >= 2 or swarm_peers <= 1)
+        with self._lock:
+            if credited:
+                self.samples += samples
+                self.steps += 1
+            self.entries.append({"epoch": epoch, "samples": samples, "group_size": group_size,
+                                 "swarm_peers": swarm_peers, "credited": credited})
+        return credited
+
+    def record_fields(self) -> dict:
+        """The PeerMetrics fields that carry this ledger."""
+        with self._lock:
+            return {"session": self.session, "credited_samples": self.samples, "credited_steps": self.steps}
 
 
 class AccessTokenRecord(pydantic.BaseModel):
@@ -147,10 +192,11 @@ def endorsement(identity: RSAPrivateKey, run_id: str, signer: RSASignatureValida
 
 
 def publish(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, metrics: PeerMetrics,
-            *, expiration_s: float = 60.0) -> None:
-    """Store this peer's record (in the background; a failed store is retried by the next one)."""
-    dht.store(key=metrics_key(run_id), subkey=signer.local_public_key, value=metrics.dict(),
-              expiration_time=get_dht_time() + expiration_s, return_future=True)
+            *, expiration_s: float = 60.0):
+    """Store this peer's record (in the background; a failed store is retried by the next one); the
+    store's future."""
+    return dht.store(key=metrics_key(run_id), subkey=signer.local_public_key, value=metrics.dict(),
+                     expiration_time=get_dht_time() + expiration_s, return_future=True)
 
 
 @dataclass

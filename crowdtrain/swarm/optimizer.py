@@ -128,6 +128,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         self._partial_round: tuple[int, float] | None = None
         self._partial_checked = 0.0
         self._published = None  # the store of our latest round record
+        self.ledger = swarm_metrics.Ledger()
 
     def _last_step_ahead(self) -> bool:
         next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
@@ -167,6 +168,15 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         if self._lost_round is not None or self._partial_round is not None:
             self._demote_state()  # hivemind just offered our state at the new epoch
 
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        weight = self.grad_averager.local_samples_accumulated
+        began = super()._begin_averaging_gradients(grad_scaler)
+        if not began and self.tracker.global_progress.num_peers <= 1:
+            # Alone in the swarm: hivemind steps on our gradients, and that step is the swarm's.
+            self.ledger.credit(epoch=self.local_epoch, samples=weight, group_size=1,
+                               swarm_peers=self.tracker.global_progress.num_peers)
+        return began
+
     def _maybe_schedule_state_averaging(self) -> None:
         if not self._last_step_ahead():
             super()._maybe_schedule_state_averaging()
@@ -183,6 +193,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             self._demote_state()
             maybe_step_control.cancel()
         missing_before = self._elements_missing()
+        averaged_before = self._weight_averaged()
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         # A groupmate that failed mid-round never sent us its part of the average: we kept our own
         # gradients there, so our step differs from the group's (by up to one update in those
@@ -209,13 +220,17 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             # (``_resolve_partial_round``), and offer our state to nobody meanwhile.
             self._demote_state()
             self._partial_round = (epoch, time.monotonic() + 2 * self.next_chunk_timeout + self.matchmaking_time)
+        weight = maybe_step_control.weight if maybe_step_control is not None else 0.0
+        credited = self.ledger.credit(epoch=epoch, samples=weight, group_size=group_size, swarm_peers=swarm_peers,
+                                      discarded=self._lost_round == epoch)
         with self._rounds_lock:
             # Wall-clock times (comparable across peers on one machine): the round was triggered
             # (this peer reached the target batch), its all-reduce began exchanging tensors, it ended.
             self.rounds.append({"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers,
                                 "triggered_unix": triggered_unix, "allreduce_unix": allreduce_unix,
                                 "done_unix": time.time(), "left_out": self._lost_round == epoch,
-                                "partial": partial})
+                                "partial": partial, "weight": weight, "credited": credited,
+                                "round_weight": self._weight_averaged() - averaged_before})
 
     def _demote_state(self) -> None:
         """Until we download the group's state: our parameters take (or took) a step the swarm did
@@ -227,6 +242,10 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         peer that averaged in full and above any older state."""
         if not self.client_mode:
             self.state_averager.state_sharing_priority = self.local_epoch - 0.5
+
+    def _weight_averaged(self) -> float:
+        stats = getattr(self.grad_averager, "wire_stats", None)
+        return stats.snapshot()["weight_averaged"] if stats is not None else 0.0
 
     def _elements_missing(self) -> int:
         stats = getattr(self.grad_averager, "wire_stats", None)

@@ -291,7 +291,19 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         # agreed on, not one step behind; then say goodbye over the network, with a deadline:
         # after Ctrl-C in a terminal the p2p daemon has already exited and cannot answer.
         _bounded(optimizer.finish_pending_updates, 60, "the last optimizer step")
+        last_record = summary.pop("_last_record", None)
+        if last_record is not None:
+            # The rounds finished since the last record are credited only if the coordinator
+            # hears of them: say so before leaving (the record outlives us in the DHT for a minute).
+            final = swarm_metrics.PeerMetrics(**{**last_record, **optimizer.ledger.record_fields(),
+                                                 "epoch": optimizer.local_epoch, "time": time.time()})
+            _bounded(lambda: swarm_metrics.publish(dht, swarm.run_id, signer, final).result(), 10,
+                     "the last metrics record")
         summary.update(summary_extra)
+        summary["credited_samples"], summary["credited_steps"] = optimizer.ledger.samples, optimizer.ledger.steps
+        summary["credits"] = list(optimizer.ledger.entries)
+        logger.info("credited on the leaderboard: %d samples in %d global steps (samples of rounds the swarm "
+                    "finished without this peer are not)", optimizer.ledger.samples, optimizer.ledger.steps)
         summary["bootstrap_reconnects"] = bootstrap_watch.reconnects
         summary["rounds"] = list(optimizer.rounds)
         summary["averaging"] = optimizer.averaging_stats()
@@ -472,12 +484,14 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
                 summary["epochs"].append({"epoch": optimizer.local_epoch, "loss": mean_loss, "samples": contributed,
                                           "time": now - start, "unix": time.time(), "compute_s": computed,
                                           "wait_s": waited})
-            swarm_metrics.publish(dht, swarm.run_id, signer, swarm_metrics.PeerMetrics(
-                peer_id=summary["peer_id"], epoch=optimizer.local_epoch, samples=contributed,
-                samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
-                client_mode=config.client_mode, last_round_peers=int(last_round["group_size"]),
-                swarm_peers=int(last_round["swarm_peers"]), fingerprint=summary["fingerprint"],
-                user=summary["user"], maddrs=summary["maddrs"], **endorsement))
+            record = dict(peer_id=summary["peer_id"], epoch=optimizer.local_epoch, samples=contributed,
+                          samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
+                          client_mode=config.client_mode, last_round_peers=int(last_round["group_size"]),
+                          swarm_peers=int(last_round["swarm_peers"]), fingerprint=summary["fingerprint"],
+                          user=summary["user"], maddrs=summary["maddrs"], **endorsement,
+                          **optimizer.ledger.record_fields())
+            swarm_metrics.publish(dht, swarm.run_id, signer, swarm_metrics.PeerMetrics(**record))
+            summary["_last_record"] = record
             epoch_seen, last_report = optimizer.local_epoch, now
     window = losses[-20:]
     logger.info("left at epoch %d: contributed %d samples in %d steps over %.1f min (%d batches dropped)%s",

@@ -218,8 +218,11 @@ class WireStats:
     # parts_outlying: finite parts judged outliers (``Aggregator.aggregate_and_judge``).
     # suspects_found: senders judged suspect, summed over rounds (see ``SuspectPeers``).
     # parts_of_suspects_left_out: finite parts of suspects not aggregated.
+    # weight_averaged: per round, the senders' weights (samples) in the first part this peer
+    # reduced, summed over rounds: what the rounds averaged, seen from the aggregation side.
     FIELDS = ("bytes_sent", "aggregate_s", "parts_dropped", "parts_reduced", "rounds", "elements_missing",
-              "group_lookups", "parts_outlying", "suspects_found", "parts_of_suspects_left_out")
+              "group_lookups", "parts_outlying", "suspects_found", "parts_of_suspects_left_out",
+              "weight_averaged")
 
     def __init__(self):
         self._values = mp.Array(ctypes.c_double, len(self.FIELDS))
@@ -400,8 +403,10 @@ class RobustTensorPartReducer(TensorPartReducer):
             if sender >= 0 and (collected.weights[i] > 0 or not finite[i]):  # zero weight: an aux peer
                 self.parts_judged[sender] += 1
                 self.parts_rejected[sender] += not finite[i] or i in outlying
+        first = self.current_part_index == 0
         self.stats.add(aggregate_s=time.perf_counter() - t0, parts_dropped=finite.count(False), parts_reduced=1,
-                       parts_outlying=len(outlying), parts_of_suspects_left_out=len(usable) - len(kept))
+                       parts_outlying=len(outlying), parts_of_suspects_left_out=len(usable) - len(kept),
+                       weight_averaged=sum(collected.weights[i] for i in kept) if first and usable else 0.0)
         return result
 
 
