@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -183,6 +184,63 @@ def check_ledger(swarm: Swarm, summaries: dict[str, dict], timeout: float = 40.0
     print(f"ledger: {expected} credited, as on the leaderboard; {checked} of {len(by_epoch)} rounds' weights "
           "checked against their reducers'")
     return board
+
+
+DOWNLOADED_FROM = re.compile(r"Finished downloading state in ([0-9.]+)s from (\S+)")  # hivemind's averager log
+
+
+def newcomer_storm(tmp: Path, *, newcomers: int = 4, base_peers: int = 3, mode: str = "sync",
+                   target_batch_size: int = 1536, max_state_uploads: int = 1, upload_delay_s: float = 0.0,
+                   storm_at_epoch: int = 2, epochs_after: int = 4, step_s: float = 0.0,
+                   timeout_s: float = 600.0) -> dict:
+    """``base_peers`` train; at ``storm_at_epoch`` ``newcomers`` join at the same moment. Per
+    newcomer: the donor it downloaded the state from, how long that took, the epoch it joined at
+    and the epoch of its first step that credited its samples (the ledger's first credited round).
+    ``step_s``: pad every peer's step to this (``--simulated-step-s``), so that seven peers on two
+    cores leave CPU to matchmaking, as peers on their own machines do."""
+    swarm = Swarm(tmp, swarm={"target_batch_size": target_batch_size, "mode": mode, "lr": 0.01,
+                              "max_state_uploads": max_state_uploads, "checkpoint_every_epochs": 1000,
+                              "matchmaking_time_s": 3.0, "averaging_timeout_s": 60.0})
+    slow = ["--inject-fault", f"slow-upload={upload_delay_s}"] if upload_delay_s > 0 else []
+    if step_s > 0:
+        slow += ["--simulated-step-s", str(step_s)]
+    try:
+        info = swarm.start_coordinator()
+        base = [f"p{i + 1}" for i in range(base_peers)]
+        new = [f"new{i + 1}" for i in range(newcomers)]
+        end = storm_at_epoch + epochs_after + 2  # newcomers start in about 2 epochs on a busy machine
+        for name in base:
+            swarm.join(name, batch_size=16, max_epochs=end, extra=slow)
+        storm_epoch = swarm.wait_epoch(storm_at_epoch, timeout_s)["epoch"]
+        t_storm = time.time()
+        for name in new:
+            swarm.join(name, batch_size=16, max_epochs=end, extra=slow)
+        codes = {name: swarm.wait_exit(name, timeout_s) for name in base + new}
+        wall_s = time.time() - t_storm
+        summaries = {name: swarm.summary(name) for name in base + new}
+    finally:
+        swarm.close()
+    names = {s["peer_id"]: name for name, s in summaries.items()}
+    names[info["coordinator_peer_id"]] = "coordinator"
+    per_newcomer = {}
+    for name in new:
+        s = summaries[name]
+        downloads = [(float(t), names.get(peer, peer)) for t, peer in DOWNLOADED_FROM.findall(swarm.log(name))]
+        credited = [c["epoch"] for c in s.get("credits", []) if c["credited"]]
+        per_newcomer[name] = {
+            "exit_code": codes[name], "joined_epoch": s.get("joined_epoch"), "state_load_s": s.get("state_load_s"),
+            "donor": downloads[0][1] if downloads else None, "download_s": downloads[0][0] if downloads else None,
+            "downloads": len(downloads), "first_credited_epoch": credited[0] if credited else None,
+            "epochs_to_contribute": credited[0] - s["joined_epoch"] if credited and "joined_epoch" in s else None,
+            "first_epoch_s": s.get("first_epoch_s")}
+    donors: dict[str, int] = {}
+    for r in per_newcomer.values():
+        if r["donor"]:
+            donors[r["donor"]] = donors.get(r["donor"], 0) + 1
+    return {"mode": mode, "base_peers": base_peers, "newcomers": newcomers, "storm_epoch": storm_epoch,
+            "max_state_uploads": max_state_uploads, "upload_delay_s": upload_delay_s, "wall_s": wall_s,
+            "exit_codes": codes, "per_newcomer": per_newcomer, "donors": donors,
+            "uploads": {name: summaries[name].get("state_uploads") for name in base + new}}
 
 
 # Lines no run should print: third-party noise a user cannot act on (crowdtrain/noise.py) and

@@ -21,6 +21,7 @@ from crowdtrain.swarm.optimizer import StateUnavailable, SwarmOptimizer
 class _StateAverager:
     def __init__(self, outcomes):
         self.outcomes, self.calls, self.local_epoch = list(outcomes), 0, 0
+        self.states_loaded = SimpleNamespace(value=0)  # as crowdtrain.swarm.state.StateUploadLimit counts
 
     def step(self, wait_for_delayed_updates):
         pass
@@ -32,6 +33,7 @@ class _StateAverager:
             raise outcome
         if outcome is not None:
             self.local_epoch = outcome
+            self.states_loaded.value += 1
 
 
 class _Optimizer(SimpleNamespace):
@@ -88,6 +90,17 @@ def test_a_peer_that_stays_behind_every_state_served_leaves(monkeypatch):
         now[0] += 120
     with pytest.raises(StateUnavailable, match="reports epoch 40 but the newest state any peer served is epoch 3"):
         SwarmOptimizer.load_state_from_peers(opt)
+
+
+def test_a_peer_whose_donors_were_all_busy_is_not_relabelled_as_caught_up(monkeypatch):
+    """Nothing served (every donor of the newest state busy): the peer keeps its epoch, and does
+    not take the swarm's epoch for parameters it never downloaded; the next step asks again."""
+    monkeypatch.setattr("crowdtrain.swarm.optimizer.time.sleep", lambda s: None)
+    opt, averager = _optimizer([None, 9], global_epoch=1, give_up_s=600)  # a newcomer at epoch 0
+    SwarmOptimizer.load_state_from_peers(opt)
+    assert opt.local_epoch == 0 and opt._behind_since is not None
+    SwarmOptimizer.load_state_from_peers(opt)
+    assert averager.calls == 2 and opt.local_epoch == 9 and opt._behind_since is None
 
 
 def test_the_give_up_time_follows_the_load_timeout():
@@ -152,7 +165,8 @@ def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state
     opt.state_averager.allow_state_sharing = True
     sharing = []
     averager.load_state_from_peers = lambda timeout: (sharing.append(averager.allow_state_sharing),
-                                                      setattr(averager, "local_epoch", 5))
+                                                      setattr(averager, "local_epoch", 5),
+                                                      setattr(averager.states_loaded, "value", 1))
     SwarmOptimizer.load_state_from_peers(opt)
     assert sharing == [False] and averager.allow_state_sharing is True and opt._lost_round is None
     assert cancelled == [True] and opt.scheduled_grads is None

@@ -1,5 +1,6 @@
 """The swarm with real processes on 127.0.0.1: a coordinator and volunteers training `tiny` together."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from safetensors.torch import load_file
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.swarm.metrics import Ledger
 from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
-from tests.swarm_harness import check_ledger, noise_in
+from tests.swarm_harness import check_ledger, newcomer_storm, noise_in
 
 
 def eval_loss(path) -> float:
@@ -102,6 +103,29 @@ def test_three_unequal_peers_train_one_model(swarm_factory):
     # Every sample that went into a step is on the leaderboard, once, under its user.
     board = check_ledger(swarm, summaries)
     assert sum(r["samples"] for r in board.values()) >= epochs * 768 * 0.5, board
+
+
+@pytest.mark.timeout(600)
+def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once(tmp_path):
+    """Four volunteers join a three-peer run at the same moment (hivemind #169: all downloading
+    from one donor). Donors send one state at a time here and each upload takes 2 s (a slow
+    uplink): a busy donor turns a newcomer away, the newcomer tries the next one, and never falls
+    back to the coordinator's old checkpoint while a donor of the newest state is only busy."""
+    # Steps padded to 0.5 s (peers of their own machines: seven trainers on two cores would leave
+    # matchmaking no CPU), and epochs of 15-30 s, several times a download: as in a real run, where
+    # an epoch is minutes of compute (with epochs shorter than a download, a newcomer is behind
+    # again by the time its state arrives).
+    storm = newcomer_storm(tmp_path, newcomers=4, base_peers=3, max_state_uploads=1, upload_delay_s=2.0,
+                           target_batch_size=3072, storm_at_epoch=1, epochs_after=3, step_s=0.5)
+    print(json.dumps({k: storm[k] for k in ("storm_epoch", "donors", "uploads", "per_newcomer")}, indent=1))
+    assert all(code == 0 for code in storm["exit_codes"].values()), storm["exit_codes"]
+    for name, r in storm["per_newcomer"].items():
+        # Its first step with the swarm credited its samples, at most 2 epochs after it joined.
+        assert r["epochs_to_contribute"] is not None and r["epochs_to_contribute"] <= 2, (name, r)
+    assert "coordinator" not in storm["donors"], storm["donors"]
+    assert len(storm["donors"]) >= 2 and max(storm["donors"].values()) <= 2, storm["donors"]
+    # The donors' own counts agree: they sent at least the four newcomers' states.
+    assert sum(u["sent"] for u in storm["uploads"].values()) >= 4, storm["uploads"]
 
 
 @pytest.mark.timeout(480)

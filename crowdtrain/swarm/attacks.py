@@ -87,16 +87,32 @@ ATTACKS = {cls.name: cls for cls in (ScaleAttack, SignFlipAttack, NoiseAttack, N
 
 
 def parse_fault(fault: str | None) -> None:
-    """Check an ``--inject-fault`` value: ``nan-every=K`` or ``attack=NAME``."""
+    """Check an ``--inject-fault`` value: ``nan-every=K``, ``attack=NAME`` or ``slow-upload=S``."""
     if fault is None:
         return
     kind, _, value = fault.partition("=")
     if kind == "nan-every" and value.isdigit() and int(value) > 0:
         return
+    if kind == "slow-upload" and upload_delay_from_fault(fault) > 0:
+        return
     if kind == "attack" and value in ATTACKS:
         return
-    raise ValueError(f"--inject-fault takes nan-every=K with K >= 1 or attack=NAME with NAME one of "
-                     f"{sorted(ATTACKS)}, got {fault!r}")
+    raise ValueError(f"--inject-fault takes nan-every=K with K >= 1, attack=NAME with NAME one of "
+                     f"{sorted(ATTACKS)}, or slow-upload=S with 0 < S <= 600 seconds, got {fault!r}")
+
+
+def upload_delay_from_fault(fault: str | None) -> float:
+    """``slow-upload=S``: this peer holds every state it sends S seconds (a slow uplink); else 0.
+    A downloader gives up on a donor silent for longer than its chunk timeout (a quarter of
+    ``averaging_timeout_s``): keep S below that to test slowness rather than failure."""
+    kind, _, value = (fault or "").partition("=")
+    if kind != "slow-upload":
+        return 0.0
+    try:
+        delay = float(value)
+    except ValueError:
+        return 0.0
+    return delay if 0 < delay <= 600 else 0.0
 
 
 def attack_from_fault(fault: str | None) -> Attack | None:

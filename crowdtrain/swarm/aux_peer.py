@@ -115,7 +115,7 @@ class AuxPeer:
                 params=param_groups(self.model, self.swarm.weight_decay), compression=compression,
                 state_compression=compression, min_matchmaking_time=self.swarm.matchmaking_time_s,
                 request_timeout=self.swarm.request_timeout_s,  # below the matchmaking time, as hivemind asks
-                allow_state_sharing=True, start=True)
+                max_state_uploads=self.swarm.max_state_uploads, allow_state_sharing=True, start=True)
         self.last_checkpoint_epoch = self._resume()
         self.seen: dict[str, float] = {}
         # Dropped records: counts by reason, the stored versions already counted (until they

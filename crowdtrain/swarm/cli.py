@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--save-final", default=None, help="save the final parameters (safetensors) here")
     p.add_argument("--model", action="append", metavar="KEY=VALUE",
                    help="override the run's model config (only to test that a different model is refused)")
-    p.add_argument("--inject-fault", default=None, metavar="nan-every=K|attack=NAME",
+    p.add_argument("--inject-fault", default=None, metavar="nan-every=K|attack=NAME|slow-upload=S",
                    help="testing aid: make every K-th local gradient NaN, to check it is never sent; or send "
                         "crafted tensors in every averaging round (NAME: scale, sign_flip, noise, nan, bias, weight)")
     p.set_defaults(handler=_join)

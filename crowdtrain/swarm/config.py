@@ -76,6 +76,12 @@ class SwarmConfig:
     delay_optimizer_step: bool = True
     offload_optimizer: bool = True  # optimizer state lives on the CPU on GPU peers
     checkpoint_every_epochs: int = 10  # the coordinator's auxiliary peer saves this often
+    # States a peer sends at once to peers catching up (newcomers, peers back from a missed round).
+    # Asked for one more, it answers with nothing and the asker tries the next peer, so a storm of
+    # newcomers spreads over the swarm instead of sharing one donor's uplink (hivemind #169). On
+    # home uplinks 1 gives each download the whole link; raise it where donors are few and
+    # uplinks fast.
+    max_state_uploads: int = 2
     mode: str = "sync"  # "sync" (average gradients every epoch) or "diloco" (see the module docstring)
     # DiLoCo mode: the local optimizer, and the outer Nesterov SGD on pseudo-gradients (DiLoCo's defaults).
     inner_optimizer: str = "adamw"  # "adamw" or "lamb8bit"
@@ -120,6 +126,9 @@ class SwarmConfig:
                              f"{self.checkpoint_every_epochs}")
         if not self.run_id or not self.run_id.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"--run-id must be letters, digits, '-' or '_', got {self.run_id!r}")
+        if self.max_state_uploads < 1:
+            raise ValueError(f"max_state_uploads must be >= 1 (--swarm max_state_uploads=2), got "
+                             f"{self.max_state_uploads}")
         if self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be >= 1, got {self.target_batch_size}")
         if self.matchmaking_time_s <= 0 or self.averaging_timeout_s <= self.matchmaking_time_s:

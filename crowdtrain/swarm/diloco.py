@@ -62,6 +62,7 @@ from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import swarm_epoch_now
 from crowdtrain.swarm.robust import RobustAveragerMixin, SuspectAwareProgressTracker, SuspectPeers, make_aggregator
+from crowdtrain.swarm.state import StateUploadLimit
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def params_digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
-class DiLoCoAverager(RobustAveragerMixin, DecentralizedAverager):
+class DiLoCoAverager(StateUploadLimit, RobustAveragerMixin, DecentralizedAverager):
     """Averages pseudo-gradients with the swarm and serves the outer state to newcomers.
 
     The averaged tensors are pseudo-gradient buffers. The state (``load_state_from_peers``) is
@@ -195,7 +196,7 @@ class DiLoCoAverager(RobustAveragerMixin, DecentralizedAverager):
         outer = make_outer_optimizer(global_param_order(model), config)
         return cls(outer, dht=dht, prefix=f"{config.run_id}_diloco", min_matchmaking_time=config.matchmaking_time_s,
                    compression=PaperCompression(config.compression_threshold), allow_state_sharing=True,
-                   start=True, **kwargs)
+                   max_state_uploads=config.max_state_uploads, start=True, **kwargs)
 
 
 class DiLoCoOptimizer:
@@ -205,7 +206,7 @@ class DiLoCoOptimizer:
 
     def __init__(self, *, dht, model: torch.nn.Module, config: SwarmConfig, batch_size: int,
                  client_mode: bool = False, attack=None, verbose: bool = False, access_guard=None,
-                 final_epoch: int | None = None):
+                 final_epoch: int | None = None, state_uploads: dict | None = None):
         from crowdtrain.swarm.auth import guarded
 
         self.config, self.batch_size, self.client_mode = config, batch_size, client_mode
@@ -229,7 +230,7 @@ class DiLoCoOptimizer:
             # the sync point up to a tracker refresh after another, plus its current step).
             allreduce_timeout=config.averaging_timeout_s,
             next_chunk_timeout=config.next_chunk_timeout_s,
-            min_group_size=config.min_group_size,
+            min_group_size=config.min_group_size, **(state_uploads or {}),
             client_mode=client_mode, start=True)
         self.global_params = self.averager.global_params
         self.samples_in_round = 0

@@ -110,8 +110,10 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     next step (or before it leaves)."""
 
     def __init__(self, *args, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
-                 signer: RSASignatureValidator | None = None, final_epoch: int | None = None, **kwargs):
+                 signer: RSASignatureValidator | None = None, final_epoch: int | None = None,
+                 state_uploads: dict | None = None, **kwargs):
         self.access_guard = access_guard
+        self._state_uploads = state_uploads or {}  # read while hivemind builds the state averager
         if access_guard is not None:
             kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
                                                       access_guard)
@@ -336,7 +338,9 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                     # fp32 gradient accumulators, then discards them (and zeroes its own below):
                     # a second, larger download (model x 4 bytes, uncompressed) for nothing, which
                     # more than doubled a newcomer's wait on a 10 Mbit/s link.
+                    loaded_before = self.state_averager.states_loaded.value
                     self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    got_state = self.state_averager.states_loaded.value > loaded_before
                     break
                 except KeyboardInterrupt:
                     raise
@@ -348,10 +352,16 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             # Read afresh: the paused tracker's view is as old as the download, which on a slow
             # link spans epochs; hivemind's stale check sent such a peer to download again.
             global_epoch = swarm_epoch_now(self.tracker)
-            if global_epoch - 1 <= self.local_epoch < global_epoch:
+            if got_state and global_epoch - 1 <= self.local_epoch < global_epoch:
                 logger.info("catching up with the swarm's epoch %d", global_epoch)
                 self.state_averager.local_epoch = global_epoch
-            if self.local_epoch < global_epoch - 1:  # the newest state served is still behind
+            if not got_state and lost is not None:
+                self._lost_round = lost  # still holding the step the swarm did not take: again next step
+            if self.local_epoch < global_epoch - 1 or (not got_state and self.local_epoch < global_epoch):
+                # The newest state served is still behind, or nobody served one (its donors were
+                # busy, crowdtrain.swarm.state.StateUploadLimit): ask again at the next step, a
+                # moment from now.
+                time.sleep(1.0)
                 if self._behind_since is None:
                     self._behind_since = started
                 if time.monotonic() - self._behind_since > self.give_up_s:
@@ -364,6 +374,8 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             if not self.client_mode:
                 self.state_averager.allow_state_sharing = True
                 self.state_averager.state_sharing_priority = self.local_epoch
+                if self._lost_round is not None:
+                    self._demote_state()
             if self.use_gradient_averaging:
                 self.grad_averager.reset_accumulated_grads_()
                 if not self.client_mode:
@@ -463,22 +475,26 @@ def swarm_at_start(tracker, state_averager) -> bool:
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
                     client_mode: bool = False, auxiliary: bool = False, verbose: bool = False, attack=None,
                     access_guard: AccessGuard | None = None, signer: RSASignatureValidator | None = None,
-                    final_epoch: int | None = None):
+                    final_epoch: int | None = None, upload_delay_s: float = 0.0):
     """The run's optimizer for its ``mode``: SwarmOptimizer (sync) or DiLoCoOptimizer (diloco).
 
     ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends. ``signer``
     (this peer's, from ``crowdtrain.swarm.metrics.make_validators``) signs its round records.
     ``final_epoch``: the epoch at which this peer will leave (sync mode skips the state round there;
-    DiLoCo mode starts no round past it).
+    DiLoCo mode starts no round past it). ``upload_delay_s`` (tests only): hold each state this
+    peer sends (``crowdtrain.swarm.state.StateUploadLimit``).
     """
+    uploads = {"max_state_uploads": config.max_state_uploads, "upload_delay_s": upload_delay_s}
     if config.mode == "diloco":
         from crowdtrain.swarm.diloco import DiLoCoOptimizer
 
         return DiLoCoOptimizer(dht=dht, model=model, config=config, batch_size=batch_size, client_mode=client_mode,
-                               attack=attack, verbose=verbose, access_guard=access_guard, final_epoch=final_epoch)
+                               attack=attack, verbose=verbose, access_guard=access_guard, final_epoch=final_epoch,
+                               state_uploads=uploads)
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
         access_guard=access_guard, give_up_s=config.load_state_give_up_s, signer=signer, final_epoch=final_epoch,
+        state_uploads=uploads,
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
         optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),

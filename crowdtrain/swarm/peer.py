@@ -46,7 +46,8 @@ class VolunteerConfig:
     save_final: str | None = None  # write the final parameters (safetensors) here when leaving
     model_overrides: dict = field(default_factory=dict)  # only to test refusal of a different model
     # Fault injection for tests: "nan-every=K" makes every K-th local loss NaN (its gradients too);
-    # "attack=NAME" sends crafted tensors in every averaging round (crowdtrain.swarm.attacks).
+    # "attack=NAME" sends crafted tensors in every averaging round (crowdtrain.swarm.attacks);
+    # "slow-upload=S" holds every state this peer sends S seconds (crowdtrain.swarm.state.StateUploadLimit).
     fault: str | None = None
     torch_threads: int | None = None
     # How long the run's data source (the coordinator's shards) may stay unreachable before this
@@ -188,9 +189,10 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     import hivemind
 
     from crowdtrain.swarm import metrics as swarm_metrics
-    from crowdtrain.swarm.attacks import attack_from_fault
+    from crowdtrain.swarm.attacks import attack_from_fault, upload_delay_from_fault
     from crowdtrain.swarm.join_info import check_join_info
-    from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer, swarm_at_start
+    from crowdtrain.swarm.optimizer import (StateUnavailable, all_finite, build_optimizer, swarm_at_start,
+                                            swarm_epoch_now)
     from crowdtrain.noise import drop_exit_noise
     from crowdtrain.swarm.reconnect import BootstrapWatch
     from crowdtrain.train.local import autocast_context
@@ -250,6 +252,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
             optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
                                         client_mode=config.client_mode, verbose=config.verbose,
                                         access_guard=access.guard, attack=attack_from_fault(config.fault),
+                                        upload_delay_s=upload_delay_from_fault(config.fault),
                                         signer=signer, final_epoch=config.max_epochs)
     except BaseException:
         _abandon_start_up(dht, access, threads_before)
@@ -274,6 +277,13 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
             summary_extra["state_download_skipped"] = True
         else:
             optimizer.load_state_from_peers()
+            # The donors of the newest state may all be busy serving other newcomers (they send a
+            # few states at a time, crowdtrain.swarm.state.StateUploadLimit): wait for a free one.
+            give_up = time.monotonic() + swarm.load_state_give_up_s
+            while ((state_keeper.states_loaded.value == 0
+                    or optimizer.local_epoch < swarm_epoch_now(optimizer.tracker) - 1)
+                   and not stop_event.is_set() and time.monotonic() < give_up):
+                optimizer.load_state_from_peers()
         joined_epoch = optimizer.local_epoch
         logger.info("peer %s joined run %s at epoch %d (state loaded in %.1fs)", peer_id[-8:], swarm.run_id,
                     joined_epoch, time.perf_counter() - t_join)
@@ -307,6 +317,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         summary["bootstrap_reconnects"] = bootstrap_watch.reconnects
         summary["rounds"] = list(optimizer.rounds)
         summary["averaging"] = optimizer.averaging_stats()
+        summary["state_uploads"] = (getattr(optimizer, "state_averager", None) or optimizer.averager).upload_stats()
         summary["final_epoch"] = optimizer.local_epoch
         if config.save_final:
             from safetensors.torch import save_file

@@ -719,7 +719,7 @@ class RobustOptimizerMixin:
             shutdown_timeout=self.shutdown_timeout, offload_optimizer=self.offload_optimizer,
             custom_gradients=self.offload_optimizer, status_loglevel=self.status_loglevel,
             next_chunk_timeout=self.next_chunk_timeout, client_mode=self.client_mode, auxiliary=self.auxiliary,
-            start=True, **kwargs)
+            start=True, **getattr(self, "_state_uploads", {}), **kwargs)
 
     def averaging_stats(self) -> dict:
         """Bytes this peer sent in averaging rounds (compressed, as serialized) and reducer time."""

@@ -21,17 +21,129 @@ under the first epoch's number.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import multiprocessing as mp
+import random
 import threading
+import time
+from typing import AsyncIterator
 
 import torch
-from hivemind.compression import CompressionInfo, TensorRole
+from hivemind.compression import CompressionInfo, TensorRole, deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import ValueWithExpiration
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 
 logger = logging.getLogger(__name__)
 
 
-class ConsistentStateAverager(TrainingStateAverager):
+class StateUploadLimit:
+    """A hivemind averager that sends at most ``max_state_uploads`` states at a time. Asked for
+    one more, it answers with an empty stream, which hivemind's downloader takes as "this peer does
+    not share its state" and tries the next peer on its list: a storm of newcomers spreads over the
+    donors instead of queueing on one uplink. Every peer with the state ranks equally, ties broken
+    at random; on a slow link a download lasts minutes, so a donor chosen by two newcomers halves
+    both downloads unless the second moves on.
+
+    ``upload_delay_s`` (fault injection for tests: ``join --inject-fault slow-upload=S``) holds each
+    upload that long before sending, as a slow uplink would."""
+
+    def __init__(self, *args, max_state_uploads: int = 2, upload_delay_s: float = 0.0, **kwargs):
+        self.max_state_uploads, self.upload_delay_s = max_state_uploads, upload_delay_s
+        self._uploads = 0  # counted in the averager's process, whose event loop serves the requests
+        # Shared with the host process (made before the averager's process starts).
+        self.uploads_sent, self.uploads_turned_away = mp.Value("q", 0), mp.Value("q", 0)
+        self.states_loaded = mp.Value("q", 0)  # downloads that returned a state (busy donors: none)
+        super().__init__(*args, **kwargs)
+
+    # Annotated: hivemind registers RPC handlers by their request and response types.
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if self._uploads >= self.max_state_uploads:
+            with self.uploads_turned_away.get_lock():
+                self.uploads_turned_away.value += 1
+            return
+        self._uploads += 1
+        try:
+            if self.upload_delay_s > 0:
+                await asyncio.sleep(self.upload_delay_s)
+            sent = False
+            async for message in super().rpc_download_state(request, context):
+                sent = True
+                yield message
+            if sent:
+                with self.uploads_sent.get_lock():
+                    self.uploads_sent.value += 1
+        finally:
+            self._uploads -= 1
+
+    async def _load_state_from_peers(self, future, timeout: float | None = None):
+        """hivemind 1.1.12's ``DecentralizedAverager._load_state_from_peers`` (the downloader, in
+        the averager's process), with one change: if a donor of the newest epoch turned us away
+        (busy, see above), answer "nothing loaded" instead of going down the list to an older
+        state, such as the coordinator's last checkpoint. The caller asks again a moment later,
+        when a donor has a free slot. Older states are still taken when the newest epoch's donors
+        failed (left, unreachable) rather than being busy. Canary: tests/test_swarm.py's newcomer
+        storm (a newcomer that took the checkpoint would download again at every step)."""
+        if timeout is not None:
+            timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        try:
+            key_manager = self._matchmaking.group_key_manager
+            found, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
+            priority = {PeerID(peer_id): (float(info.value), random.random())  # ties broken at random
+                        for peer_id, info in (found.items() if isinstance(found, dict) else ())
+                        if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
+                        and math.isfinite(info.value)}
+            ranked = [peer for peer in sorted(priority, key=priority.get, reverse=True) if peer != self.peer_id]
+            if not ranked:
+                logger.info("no peer offers its state")
+                return
+            newest = math.floor(priority[ranked[0]][0])
+            busy = 0
+            for peer in ranked:
+                if busy and math.floor(priority[peer][0]) < newest:
+                    logger.info("%d donor(s) of the newest state (epoch %d) are busy; asking again shortly "
+                                "rather than taking an older state", busy, newest)
+                    return
+                t0 = time.monotonic()
+                try:
+                    stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+                    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                    metadata, parts, tensors = None, [], []
+                    async for message in aiter_with_timeout(stream, timeout=timeout):
+                        if message.metadata:
+                            metadata = self.serializer.loads(message.metadata)
+                        if message.tensor_part.dtype and parts:  # the start of the next tensor
+                            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                            parts = []
+                        parts.append(message.tensor_part)
+                    if parts:
+                        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    if not metadata:
+                        busy += math.floor(priority[peer][0]) >= newest
+                        logger.debug("peer %s did not send its state (busy or not sharing)", peer)
+                        continue
+                    logger.info("Finished downloading state in %.3fs from %s", time.monotonic() - t0, peer)
+                    with self.states_loaded.get_lock():
+                        self.states_loaded.value += 1
+                    future.set_result((metadata, tensors))
+                    return
+                except Exception as e:  # it left, or its link failed: the next one
+                    logger.debug("could not download the state from %s: %r", peer, e)
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    def upload_stats(self) -> dict:
+        return {"sent": int(self.uploads_sent.value), "turned_away": int(self.uploads_turned_away.value)}
+
+
+class ConsistentStateAverager(StateUploadLimit, TrainingStateAverager):
     """hivemind's TrainingStateAverager whose served state always matches its epoch number."""
 
     def __init__(self, *args, state_wait_s: float = 0.5, **kwargs):

@@ -1,0 +1,75 @@
+"""A donor sends a few states at a time, and a turned-away newcomer never settles for an older state
+(crowdtrain.swarm.state.StateUploadLimit): real hivemind averagers in one process."""
+
+import time
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+
+from crowdtrain.swarm.state import StateUploadLimit
+
+
+class Peer(StateUploadLimit, DecentralizedAverager):
+    """An averager whose state is its epoch, as a number and as a tensor."""
+
+    def __init__(self, dht, epoch: float, **kwargs):
+        self.epoch = epoch
+        super().__init__(averaged_tensors=[torch.zeros(4)], dht=dht, prefix="storm", start=True,
+                         declare_state_period=1.0, **kwargs)
+
+    def get_current_state(self):
+        return {"epoch": self.epoch}, [torch.full((4,), float(self.epoch))], None
+
+
+def wait_until(check, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(120)
+def test_a_busy_donor_turns_the_second_newcomer_away_and_it_does_not_take_the_old_checkpoint():
+    root = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [hivemind.DHT(start=True, initial_peers=root.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            for _ in range(3)]
+    # One donor of the newest state (epoch 5), sending one state at a time, each held 2 s (under the
+    # 3 s a downloader waits for a first answer); one holding an old checkpoint (epoch 1), as the
+    # coordinator's between checkpoints.
+    donor = Peer(root, 5, max_state_uploads=1, upload_delay_s=2.0)
+    donor.state_sharing_priority = 5.0
+    checkpoint = Peer(dhts[0], 1)
+    checkpoint.state_sharing_priority = 1.0
+    newcomers = [Peer(dht, 0, allow_state_sharing=False) for dht in dhts[1:]]
+    try:
+        def both_declared() -> bool:
+            found = root.get("storm.all_averagers", latest=True)
+            return found is not None and sorted(v.value for v in found.value.values()) == [1.0, 5.0]
+
+        wait_until(both_declared)
+        futures = [n.load_state_from_peers(wait=False, timeout=20) for n in newcomers]
+        results = [f.result(timeout=60) for f in futures]
+        epochs = [r[0]["epoch"] if r is not None else None for r in results]
+        # One got the newest state; the other was turned away and got nothing (it asks again
+        # later), rather than the checkpoint four epochs old.
+        assert sorted(epochs, key=str) == [5, None], epochs
+        assert donor.upload_stats() == {"sent": 1, "turned_away": 1}, donor.upload_stats()
+        assert checkpoint.upload_stats()["sent"] == 0
+        assert sum(n.states_loaded.value for n in newcomers) == 1
+        # Once the donor is free, the second newcomer gets the newest state too.
+        late = newcomers[0] if results[0] is None else newcomers[1]
+        state = late.load_state_from_peers(timeout=20)
+        assert state is not None and state[0]["epoch"] == 5 and torch.equal(state[1][0], torch.full((4,), 5.0))
+        # When the newest state's donors fail (here: it left) rather than being busy, the old
+        # checkpoint is still better than nothing.
+        donor.shutdown()
+        state = late.load_state_from_peers(timeout=20)
+        assert state is not None and state[0]["epoch"] == 1
+    finally:
+        for averager in [donor, checkpoint, *newcomers]:
+            if averager.is_alive():
+                averager.shutdown()
+        for dht in [root, *dhts]:
+            dht.shutdown()
