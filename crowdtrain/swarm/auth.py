@@ -298,8 +298,12 @@ class TokenKeeper:
         self.publish()
         return self.renew_interval_s
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop renewing, and wait (bounded) for a renewal in flight: the DHT is shut down next,
+        and a store still running then holds up its shutdown."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
 
 # ---- the averaging side ------------------------------------------------------------------------

@@ -325,8 +325,11 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
             save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, config.save_final)
         if config.summary_file:
             Path(config.summary_file).write_text(json.dumps(summary, indent=2))
+        # Every background user of the DHT stops before the DHT does (a request in flight would hold
+        # up its shutdown).
         access.close()
         bootstrap_watch.stop.set()
+        bootstrap_watch.join(10)
         _bounded(optimizer.shutdown, 30, "leaving the averaging groups")
         _bounded(dht.shutdown, 15, "stopping the DHT")
     return summary

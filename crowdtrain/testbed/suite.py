@@ -67,6 +67,18 @@ def churn(minutes: float, rate: str = "10mbit/50mbit") -> RunPlan:
     return RunPlan("churn", peers, minutes=minutes, swarm={"target_batch_size": paper_batch(4)})
 
 
+def storm(minutes: float, *, max_state_uploads: int, rate: str = "10mbit/50mbit", newcomers: int = 4,
+          name: str = "storm") -> RunPlan:
+    """Three peers on ADSL-like links (10 up / 50 down); ``newcomers`` more join at the same moment
+    (30 s in) and each downloads the state through some peer's 10 Mbit/s uplink. hivemind's
+    behaviour is ``max_state_uploads`` unbounded: a donor picked by several newcomers splits its
+    uplink between them."""
+    peers = [PeerPlan(f"p{i + 1}", LinkSpec.parse(rate), step_s=STEP_S) for i in range(3)]
+    peers += [PeerPlan(f"p{i + 4}", LinkSpec.parse(rate), step_s=STEP_S, join_s=30.0) for i in range(newcomers)]
+    return RunPlan(name, peers, minutes=minutes,
+                   swarm={"target_batch_size": paper_batch(3), "max_state_uploads": max_state_uploads})
+
+
 def plans(scale: float = 1.0) -> list[RunPlan]:
     """The matrix, most important first (a run cut short still leaves the earlier ones)."""
     m100, m10 = 3.0 * scale, 4.0 * scale
