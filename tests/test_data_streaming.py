@@ -20,7 +20,7 @@ from tests._data_helpers import codes_of, make_shards, random_vq, shard_rows
 from crowdtrain.data.config import StreamConfig
 from crowdtrain.data.http_server import serve_directory
 from crowdtrain.data.shards import codes_to_bytes, shard_schema
-from crowdtrain.data.streaming import DataSourceUnavailable, batch_stream, keep_row, stable_seed
+from crowdtrain.data.streaming import DataSourceUnavailable, batch_stream, is_transient, keep_row, stable_seed
 from crowdtrain.data.tokenizers import train_text_tokenizer
 from crowdtrain.model.config import get_preset
 
@@ -406,6 +406,77 @@ def test_a_stream_opened_while_the_source_is_down_waits_for_its_manifest(shards,
         assert 2.0 <= time.monotonic() - t0 < 10 and server.refused >= 3
     finally:
         server.close()
+
+
+class _FlakyHub:
+    """Stands in for huggingface_hub.HfFileSystem (no hub is reachable here): the data set
+    ``owner/shapes`` is a local shard folder, and while ``down`` every call fails as the hub client
+    does when the hub is unreachable (httpx.ConnectError)."""
+
+    down = False
+    calls = 0
+    _cache: dict = {}  # datasets keeps HfFileSystem's instance cache when it pickles a stream
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __call__(self, *args, **kwargs):  # HfFileSystem(...)
+        return self
+
+    def _check(self):
+        import httpx
+        type(self).calls += 1
+        if type(self).down:
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    def _local(self, path: str):
+        return self.folder / path.removeprefix("hf://").removeprefix("datasets/owner/shapes").lstrip("/")
+
+    def glob(self, pattern):
+        self._check()
+        return [f"datasets/owner/shapes/{p.name}" for p in sorted(self.folder.glob("*.parquet"))]
+
+    def ls(self, path, detail=False):
+        self._check()
+        return [f"datasets/owner/shapes/{p.name}" for p in sorted(self.folder.iterdir())]
+
+    def open(self, path, mode="rb"):
+        self._check()
+        return open(self._local(path), mode)
+
+
+def test_a_hub_data_set_rides_out_a_hub_outage_as_a_coordinator_outage(shards, text_tok, monkeypatch):
+    import huggingface_hub
+
+    hub = _FlakyHub(shards)
+    monkeypatch.setattr(huggingface_hub, "HfFileSystem", hub)
+    good = Counter(codes_of(r["code"]) for r in shard_rows(shards))
+    # Opened while the hub is down: the file list is retried (not "cannot list hub data set").
+    _FlakyHub.down = True
+    threading.Timer(2.0, lambda: setattr(_FlakyHub, "down", False)).start()
+    stream = _outage_stream("hf://datasets/owner/shapes", text_tok)
+    images = [codes_of(x.numpy().astype("<i2").tobytes()) for _ in range(5) for x in next(stream)["image"]]
+    assert Counter(images) == good and stream.stats.retries == 0
+    # Down mid-run: rows already read are replayed, no shard is skipped, and it resumes.
+    _FlakyHub.down = True
+    deadline = time.monotonic() + 30
+    while stream.stats.retries < 2:
+        assert time.monotonic() < deadline, stream.stats
+        next(stream)
+    assert stream.stats.outages == 1 and stream.stats.replayed_rows > 0 and stream.stats.shards_failed == 0
+    _FlakyHub.down = False
+    read_before = stream.stats.shards_read
+    while stream.stats.shards_read < read_before + 2:
+        assert time.monotonic() < deadline, stream.stats
+        next(stream)
+    assert stream.stats.shards_failed == 0 and stream.stats.outages == 1
+    # A hub that refuses (404, a private data set) is about the data: refused at once.
+    import httpx
+    response = httpx.Response(404, request=httpx.Request("GET", "https://huggingface.co/x"))
+    error = huggingface_hub.errors.HfHubHTTPError("404 Client Error", response=response)
+    assert not is_transient(error)
+    assert is_transient(huggingface_hub.errors.HfHubHTTPError(
+        "503", response=httpx.Response(503, request=httpx.Request("GET", "https://huggingface.co/x"))))
 
 
 def test_a_source_without_a_manifest_is_refused_at_once_not_waited_for(tmp_path, text_tok):

@@ -9,12 +9,13 @@ the generator so that one bad shard is isolated: a corrupted or truncated file, 
 fails while the rest of the source answers, is logged once as an error, counted in
 ``BatchStream.stats``, and skipped; the stream never crashes or hangs on it.
 
-An http(s) source that stops answering altogether (the coordinator restarting) is an outage, not
-bad data: the shard is retried with back-off and, meanwhile, the rows read last are replayed, so
-the peer keeps training; after ``StreamConfig.outage_patience_s`` the stream gives up with an
-error naming the source. A transient failure (connection refused or reset, timeout, HTTP
-5xx/408/429) counts as an outage only if the source's manifest does not answer either; see
-:class:`_Source`.
+An http(s) or hub source that stops answering altogether (the coordinator restarting, the hub
+down or rate-limiting) is an outage, not bad data: the shard is retried with back-off and,
+meanwhile, the rows read last are replayed, so the peer keeps training; after
+``StreamConfig.outage_patience_s`` the stream gives up with an error naming the source. A
+transient failure (connection refused or reset, timeout, HTTP 5xx/408/429) counts as an outage
+only if the source itself (an http(s) source's manifest, a hub data set's file list) does not
+answer either; see :class:`_Source`.
 
 Shuffle seeds come from the peer's identity through :func:`stable_seed` (SHA-256), never
 Python's ``hash()``, which is salted per process: a restarted peer gets the same order, two
@@ -119,6 +120,16 @@ def is_transient(error: BaseException) -> bool:
     A 4xx (missing file, refused access) or a parquet error is about the data: not transient."""
     if isinstance(error, urllib.error.HTTPError):
         return error.code >= 500 or error.code in (408, 429)
+    # The hub client's (httpx) errors: an HTTP status on .response, or a transport failure.
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(status, int):
+        return status >= 500 or status in (408, 429)
+    try:
+        import httpx
+        if isinstance(error, (httpx.TransportError, httpx.TimeoutException)):
+            return True
+    except ImportError:
+        pass
     return isinstance(error, (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException))
 
 
@@ -252,6 +263,10 @@ class _Source:
 
     def _source_answers(self) -> bool:
         try:
+            if self.manifest_url.startswith("hf://"):
+                from huggingface_hub import HfFileSystem
+                HfFileSystem(skip_instance_cache=True).ls(self.manifest_url.removeprefix("hf://"), detail=False)
+                return True
             request = urllib.request.Request(self.manifest_url, method="HEAD")
             with urllib.request.urlopen(request, timeout=self.config.http_timeout_s):
                 return True
@@ -302,6 +317,20 @@ def remote_manifest_url(source) -> str | None:
     return source.rstrip("/") + "/" + MANIFEST
 
 
+def remote_probe(source) -> str | None:
+    """What tells whether a remote source answers (an http(s) manifest, ``hf://datasets/OWNER/NAME``
+    for a hub data set); None for a local folder, whose failures are never an outage."""
+    if (url := remote_manifest_url(source)) is not None:
+        return url
+    source = str(source)
+    if re.fullmatch(HUB_ID, source) and not Path(source).exists():  # "data/shards" may be a folder
+        return "hf://datasets/" + source.removeprefix("hf://datasets/")
+    return None
+
+
+HUB_ID = r"(hf://datasets/)?[\w.-]+/[\w.-]+"
+
+
 def list_shards(source: str, split: str = "train", *, timeout_s: float = 30.0) -> list[str]:
     """The shard files of ``split`` in a local folder, under an http(s) base URL, or in a hub data set."""
     source = str(source)
@@ -326,14 +355,15 @@ def list_shards(source: str, split: str = "train", *, timeout_s: float = 30.0) -
             return [str(path / f) for f in files if (path / f).exists()] or _no_shards(source, split)
         files = sorted(path.glob(f"{split}-*.parquet")) or sorted(path.rglob("*.parquet"))
         return [str(f) for f in files] or _no_shards(source, split)
-    if re.fullmatch(r"(hf://datasets/)?[\w.-]+/[\w.-]+", source):
+    if re.fullmatch(HUB_ID, source) and not path.exists():
         repo = source.removeprefix("hf://datasets/")
         try:
             from huggingface_hub import HfFileSystem
-            files = sorted(HfFileSystem().glob(f"datasets/{repo}/**/*.parquet"))
+            files = sorted(HfFileSystem(skip_instance_cache=True).glob(f"datasets/{repo}/**/*.parquet"))
         except Exception as e:
-            raise ValueError(f"cannot list hub data set {repo} ({type(e).__name__}: {e}); check the id and your "
-                             "network, or download its parquet files and pass the folder") from e
+            kind = ShardListUnavailable if is_transient(e) else ValueError
+            raise kind(f"cannot list hub data set {repo} ({type(e).__name__}: {e}); check the id and your "
+                       "network, or download its parquet files and pass the folder") from e
         split_files = [f for f in files if f"/{split}" in f or f"{split}-" in f.rsplit("/", 1)[-1]]
         files = split_files or files
         return [f"hf://{f}" for f in files] or _no_shards(source, split)
@@ -396,7 +426,8 @@ def open_stream(source, *, seed_key: str, split: str = "train", config: StreamCo
     shards = _list_shards_riding_out_outages(source, split, config)
     stream_id = f"{seed_key}/{split}/{next(_STREAM_IDS)}"
     stats = StreamStats()
-    _STREAMS[stream_id] = _Source(stats, config, manifest_url=remote_manifest_url(source), seed=stable_seed(f"replay/{seed_key}"))
+    _STREAMS[stream_id] = _Source(stats, config, manifest_url=remote_probe(source),
+                                  seed=stable_seed(f"replay/{seed_key}"))
     ds = IterableDataset.from_generator(
         _shard_rows, features=_features(), gen_kwargs={"shards": shards, "stream_id": stream_id})
     if config.shuffle_buffer > 1:
