@@ -1,15 +1,17 @@
 """A newcomer storm on home links: four volunteers join a three-peer run at the same moment.
 
-Runs in the testbed (``crowdtrain.testbed``: network namespaces, shaped links; needs root), on
-the 22M-parameter model: three peers on 10/50 Mbit/s links train; 30 s in, four more join at
-once and each downloads the state (about 60 MB) through some peer's 10 Mbit/s uplink. Two
+Runs in the testbed (``crowdtrain.testbed``: network namespaces, shaped links; needs root), on a
+5.6M-parameter model: three peers on 10/50 Mbit/s links train; after their first step, four more
+join at once and each downloads the state through some peer's 10 Mbit/s uplink (about 20 s
+alone). Epochs of the grown swarm last about 25 s, longer than a download, as a run should be
+sized (``crowdtrain.testbed.suite.storm``). Two
 settings: ``max_state_uploads=1`` (crowdtrain's, a busy donor turns a newcomer to the next) and
 unbounded (hivemind's: a donor chosen by several newcomers splits its uplink between them).
 
 Per newcomer: the donor, the download time, the time from its start to its first step with the
 swarm, and how many epochs after joining its samples were first credited (the target: within 2).
 
-    python benchmarks/bench_storm.py [--minutes 5] [--repeats 1]   # JSON in benchmarks/results/
+    python benchmarks/bench_storm.py [--minutes 4] [--repeats 1]   # JSON in benchmarks/results/
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def storm_stats(raw: dict, out_dir: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--minutes", type=float, default=4.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default="runs/bench-storm")
     args = p.parse_args(argv)

@@ -23,12 +23,13 @@ from pathlib import Path
 
 from crowdtrain.testbed import analysis
 from crowdtrain.testbed.links import LinkSpec
-from crowdtrain.testbed.swarm import PeerPlan, RunPlan, run_plan
+from crowdtrain.testbed.swarm import MODEL_22M, PeerPlan, RunPlan, run_plan
 
 logger = logging.getLogger(__name__)
 
 STEP_S = 3.0  # real compute takes 0.3-1.5 s per step on two shared, busy cores: 3 s keeps it inside
 EPOCH_COMPUTE_S = 30.0
+STORM_EPOCH_S = 25.0
 
 
 def paper_batch(peers: int, *, step_s: float = STEP_S, batch_size: int = 1) -> int:
@@ -69,14 +70,22 @@ def churn(minutes: float, rate: str = "10mbit/50mbit") -> RunPlan:
 
 def storm(minutes: float, *, max_state_uploads: int, rate: str = "10mbit/50mbit", newcomers: int = 4,
           name: str = "storm") -> RunPlan:
-    """Three peers on ADSL-like links (10 up / 50 down); ``newcomers`` more join at the same moment
-    (30 s in) and each downloads the state through some peer's 10 Mbit/s uplink. hivemind's
-    behaviour is ``max_state_uploads`` unbounded: a donor picked by several newcomers splits its
-    uplink between them."""
+    """Three peers on ADSL-like links (10 up / 50 down); ``newcomers`` more join at the same moment,
+    after the first step, and each downloads the state through some peer's 10 Mbit/s uplink.
+    hivemind's behaviour is ``max_state_uploads`` unbounded: a donor picked by several newcomers
+    splits its uplink between them.
+
+    A 5.6M-parameter model (the testbed's, at half the width), whose state downloads in about 20 s
+    over 10 Mbit/s, and epochs of the grown swarm of about 25 s, longer than a download, as a run
+    should be sized: hivemind lets a peer one epoch behind catch up, not more, so a download
+    longer than an epoch leaves a newcomer downloading again and again."""
     peers = [PeerPlan(f"p{i + 1}", LinkSpec.parse(rate), step_s=STEP_S) for i in range(3)]
-    peers += [PeerPlan(f"p{i + 4}", LinkSpec.parse(rate), step_s=STEP_S, join_s=30.0) for i in range(newcomers)]
-    return RunPlan(name, peers, minutes=minutes,
-                   swarm={"target_batch_size": paper_batch(3), "max_state_uploads": max_state_uploads})
+    target = int(round((3 + newcomers) * STORM_EPOCH_S / STEP_S))
+    first_step_s = target / 3 * STEP_S  # the three peers' first epoch
+    peers += [PeerPlan(f"p{i + 4}", LinkSpec.parse(rate), step_s=STEP_S, join_s=first_step_s + 15.0)
+              for i in range(newcomers)]
+    return RunPlan(name, peers, minutes=minutes, model={**MODEL_22M, "width": 288, "head_dim": 32},
+                   swarm={"target_batch_size": target, "max_state_uploads": max_state_uploads})
 
 
 def plans(scale: float = 1.0) -> list[RunPlan]:
