@@ -76,7 +76,7 @@ def _role(pid: int, root: int, cmd: str) -> str:
         return "main"
     if "p2pd" in cmd:
         return "p2pd"
-    if "crowdtrain.swarm.aux_peer" in cmd:
+    if "crowdtrain.coordinator.aux_peer" in cmd:
         return "aux"
     return "child"
 

@@ -7,7 +7,7 @@ import time
 import pytest
 from hivemind.p2p import PeerID
 
-from crowdtrain.coordinator.tokens import CoordinatorKey, peer_id_of_key, verify_token
+from crowdtrain.runspec.tokens import CoordinatorKey, peer_id_of_key, verify_token
 from crowdtrain.swarm.auth import (AccessGuard, SwarmAuthorizer, _GuardedHandlers, from_proto, load_identity,
                                    peer_id_of, to_proto)
 

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.service import AuthSettings, create_app
-from crowdtrain.coordinator.tokens import CoordinatorKey, peer_id_of_key, token_request, verify_token
+from crowdtrain.runspec.tokens import CoordinatorKey, peer_id_of_key, token_request, verify_token
 from crowdtrain.swarm.auth import load_identity
 
 

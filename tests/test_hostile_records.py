@@ -22,7 +22,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from crowdtrain.coordinator.tokens import peer_id_of_key, token_request
+from crowdtrain.runspec.tokens import peer_id_of_key, token_request
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.auth import HttpTokenSource, SwarmAuthorizer, load_identity
 from tests.swarm_harness import Swarm, get_json
@@ -107,7 +107,7 @@ def wait_for(what: str, check, *, swarm: Swarm, timeout_s: float = 45.0):
 def aux_alive(swarm: Swarm) -> bool:
     pid = int((swarm.run_dir / "aux.pid").read_text())
     try:
-        return b"crowdtrain.swarm.aux_peer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"crowdtrain.coordinator.aux_peer" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return False
 

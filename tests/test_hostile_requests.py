@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.run import CoordinatorConfig, build_spec
 from crowdtrain.coordinator.service import AuthSettings, create_app
-from crowdtrain.coordinator.tokens import token_request
+from crowdtrain.runspec.tokens import token_request
 from crowdtrain.swarm.auth import load_identity
 
 VOLUNTEER_MADDR = "/ip4/203.0.113.7/tcp/40123/p2p/QmVolunteer"

@@ -58,7 +58,7 @@ def test_a_second_coordinator_on_a_live_runs_ports_is_refused_at_once_and_leaves
         "the live run's own folder": (run_dir, live.port, live.dht_port, [f"HTTP port {live.port}", "run 'test'"]),
         # Only the DHT port: hivemind's daemon would share it (SO_REUSEPORT) and the start would succeed.
         "the DHT port alone": (tmp_path / "third", free_port(), live.dht_port,
-                               [f"DHT port {live.dht_port}", "crowdtrain.swarm.aux_peer", str(run_dir)]),
+                               [f"DHT port {live.dht_port}", "crowdtrain.coordinator.aux_peer", str(run_dir)]),
     }
     for case, (folder, port, dht_port, named) in cases.items():
         code, out, took = second(folder, port, dht_port)

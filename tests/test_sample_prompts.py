@@ -116,7 +116,7 @@ def test_a_run_whose_tokenizers_do_not_fit_its_model_is_refused_naming_the_setti
 
 
 def test_the_checkpointer_draws_a_runs_own_prompts_after_their_real_images(stripes, tmp_path):
-    from crowdtrain.swarm.aux_peer import AuxPeer
+    from crowdtrain.coordinator.aux_peer import AuxPeer
 
     shards, vq = stripes
     torch.manual_seed(0)

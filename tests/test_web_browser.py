@@ -219,7 +219,7 @@ def test_samples_of_a_run_on_own_images_show_its_captions_after_their_real_image
     from crowdtrain.coordinator.run import CoordinatorConfig, build_spec
     from crowdtrain.data.tokenizers import SHAPES_TEXT_TOKENIZER
     from crowdtrain.model.transformer import DalleTransformer
-    from crowdtrain.swarm.aux_peer import AuxPeer
+    from crowdtrain.coordinator.aux_peer import AuxPeer
     from tests._data_helpers import make_stripes_shards
 
     shards, vq = make_stripes_shards(tmp_path)

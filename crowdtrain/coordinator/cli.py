@@ -3,22 +3,6 @@
 from __future__ import annotations
 
 
-def parse_overrides(pairs: list[str] | None, *, flag: str) -> dict:
-    """KEY=VALUE pairs; values are JSON when they parse as JSON (numbers, true/false, lists)."""
-    import json
-
-    out = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise ValueError(f"{flag} takes KEY=VALUE, got {pair!r}")
-        key, value = pair.split("=", 1)
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "coordinator", help="start a run: the first peer, the join endpoint, data, checkpoints",
@@ -84,6 +68,7 @@ def register(subparsers) -> None:
 
 def _coordinator(args) -> int:
     from crowdtrain.coordinator.run import CoordinatorConfig, run_coordinator
+    from crowdtrain.runspec.overrides import parse_overrides
 
     config = CoordinatorConfig(
         run_id=args.run_id, preset=args.preset, data=args.data, host=args.host, port=args.port,

@@ -30,6 +30,8 @@ from sqlalchemy import text as sql
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
+from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
+
 ACTIVE_WINDOW_S = 60.0  # a peer that reported within this window counts as active
 # Rows are read as untrusted too (a database may hold values from before records were checked):
 # a time further ahead than this reads as unknown, a non-finite number as missing.
@@ -176,14 +178,6 @@ def _finite(value: float | None) -> float | None:
 def _plausible_time(ts: float | None, now: float) -> float | None:
     """A peer-reported time, or None if it is missing (0), non-finite or in the future."""
     return ts if ts is not None and math.isfinite(ts) and 0 < ts <= now + MAX_CLOCK_SKEW_S else None
-
-
-USER_NAME_RULE = "1-64 ASCII letters, digits, '-', '_' or '.'"
-
-
-def valid_user_name(name: str) -> bool:
-    """ASCII only: a name that looks like another user's (Cyrillic 'а' for Latin 'a') must not pass."""
-    return 1 <= len(name) <= 64 and name.isascii() and all(c.isalnum() or c in "-_." for c in name)
 
 
 def engine_url(url: str) -> str:

@@ -1,7 +1,7 @@
 """`crowdtrain coordinator`: start a run in one command.
 
 The coordinator process serves HTTP (uvicorn) and supervises a child process, the auxiliary
-peer (``crowdtrain.swarm.aux_peer``), which is the run's first DHT peer. They share the run
+peer (``crowdtrain.coordinator.aux_peer``), which is the run's first DHT peer. They share the run
 folder: the coordinator writes ``coordinator.json`` (the run's spec), the child answers with
 ``run.json`` (join information with initial peers), ``status.json``, ``metrics.jsonl`` and
 checkpoints. This process never imports torch.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.ports import Port, check_ports, cmdline, parent_pid
-from crowdtrain.coordinator.tokens import CoordinatorKey
+from crowdtrain.runspec.tokens import CoordinatorKey
 from crowdtrain.data.sample_prompts import RUN_FILE as RUN_PROMPTS_FILE
 from crowdtrain.lifecycle import die_with_parent, exit_on_signals
 from crowdtrain.model.config import get_preset
@@ -270,7 +270,7 @@ def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except (FileNotFoundError, ValueError, OSError):
         return
-    if "crowdtrain.swarm.aux_peer" not in cmdline:
+    if "crowdtrain.coordinator.aux_peer" not in cmdline:
         return  # the pid was reused by something else
     logger.warning("ending the auxiliary peer left over from a previous start (pid %d)", pid)
     os.kill(pid, signal.SIGTERM)
@@ -283,7 +283,7 @@ def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
 
 
 def _aux_command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "crowdtrain.swarm.aux_peer", str(run_dir)]
+    return [sys.executable, "-m", "crowdtrain.coordinator.aux_peer", str(run_dir)]
 
 
 def _aux_processes(run_dir: Path) -> dict[int, int]:

@@ -25,8 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, Field
 
-from crowdtrain.coordinator.db import USER_NAME_RULE, Store, valid_user_name
-from crowdtrain.coordinator.tokens import CoordinatorKey, check_token_request, peer_id_of_key
+from crowdtrain.coordinator.db import Store
+from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
+from crowdtrain.runspec.tokens import CoordinatorKey, check_token_request, peer_id_of_key
 
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "optimizer.safetensors", "text_tokenizer.json",
                     "image_tokenizer.safetensors"}
@@ -42,7 +43,7 @@ class AuthSettings:
 
 
 class TokenRequest(BaseModel):
-    """Built by ``crowdtrain.coordinator.tokens.token_request``: signed by the key it asks a token for."""
+    """Built by ``crowdtrain.runspec.tokens.token_request``: signed by the key it asks a token for."""
     public_key: str = Field(..., max_length=4096, description="the peer's RSA public key, OpenSSH encoding")
     peer_id: str = Field("", max_length=128, description="the peer's libp2p ID; optional, as it follows from "
                                                          "public_key (a different one is refused)")

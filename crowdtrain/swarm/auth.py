@@ -5,7 +5,7 @@ join its averaging groups and send it gradient parts. Here both are closed:
 
 * **Identity.** A peer's libp2p identity is an RSA key (hivemind's own format); the same key signs
   its DHT requests. The coordinator's access token binds that public key (hence the peer ID, a
-  hash of it) to a user name until an expiry time (see ``crowdtrain.coordinator.tokens``).
+  hash of it) to a user name until an expiry time (see ``crowdtrain.runspec.tokens``).
 * **DHT.** :class:`SwarmAuthorizer` plugs into hivemind's ``TokenAuthorizerBase``: every DHT
   request and response carries the sender's token and a signature over the message by its key;
   a peer without a valid token gets no answers, so it cannot even bootstrap.
@@ -64,7 +64,7 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from crowdtrain.coordinator.tokens import CoordinatorKey, token_payload, token_request, verify_token
+from crowdtrain.runspec.tokens import CoordinatorKey, token_payload, token_request, verify_token
 
 logger = logging.getLogger(__name__)
 

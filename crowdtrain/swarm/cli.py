@@ -47,7 +47,7 @@ def register(subparsers) -> None:
 def _join(args) -> int:
     import os
 
-    from crowdtrain.coordinator.cli import parse_overrides
+    from crowdtrain.runspec.overrides import parse_overrides
     from crowdtrain.lifecycle import forks_die_with_this_process
     from crowdtrain.swarm.peer import VolunteerConfig, run_volunteer
 

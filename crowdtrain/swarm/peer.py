@@ -63,7 +63,7 @@ class VolunteerConfig:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if not self.data_outage_patience_s >= 0:
             raise ValueError(f"--data-outage-patience-s must be >= 0 seconds, got {self.data_outage_patience_s}")
-        from crowdtrain.coordinator.db import USER_NAME_RULE, valid_user_name
+        from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
 
         if not valid_user_name(self.user) or self.user == "coordinator":  # the coordinator refuses it too
             raise ValueError(f"--user must be {USER_NAME_RULE} (and not 'coordinator'), got {self.user!r}")

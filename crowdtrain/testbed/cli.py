@@ -54,7 +54,7 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from crowdtrain.coordinator.cli import parse_overrides
+    from crowdtrain.runspec.overrides import parse_overrides
     from crowdtrain.testbed import analysis, plot, report, suite
     from crowdtrain.testbed.links import LinkSpec
     from crowdtrain.testbed.netns import require_root

@@ -12,7 +12,7 @@ Runs as a child process of ``crowdtrain coordinator`` (the web side never import
 5. serves that state to newcomers when no trainer is around, e.g. after everyone left, and on
    start resumes from the latest checkpoint.
 
-    python -m crowdtrain.swarm.aux_peer RUN_DIR
+    python -m crowdtrain.coordinator.aux_peer RUN_DIR
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ import torch
 
 from crowdtrain.checkpoint import (checkpoint_name, latest_checkpoint, load_optimizer_state, prune_checkpoints,
                                    save_checkpoint)
+from crowdtrain.coordinator.db import Store
 from crowdtrain.lifecycle import forks_die_with_this_process
 from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, ModelConfig
 from crowdtrain.model.info import architecture_fingerprint
-from crowdtrain.coordinator.db import Store
-from crowdtrain.coordinator.tokens import CoordinatorKey
-from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 from crowdtrain.optim import param_groups
+from crowdtrain.runspec.tokens import CoordinatorKey
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.auth import (AccessGuard, LocalTokenSource, SwarmAuthorizer, TokenKeeper, guarded,
                                    load_identity, refresh_margin_s, refresh_retry_max_s)
@@ -47,6 +46,7 @@ from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.config import SwarmConfig
 from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, make_scheduler, unflatten_optimizer_state
 from crowdtrain.swarm.state import ConsistentStateAverager
+from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 
 logger = logging.getLogger(__name__)
 
