@@ -307,8 +307,13 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
             # hears of them: say so before leaving (the record outlives us in the DHT for a minute).
             final = swarm_metrics.PeerMetrics(**{**last_record, **optimizer.ledger.record_fields(),
                                                  "epoch": optimizer.local_epoch, "time": time.time()})
-            _bounded(lambda: swarm_metrics.publish(dht, swarm.run_id, signer, final).result(), 10,
-                     "the last metrics record")
+            def publish_final():
+                try:
+                    swarm_metrics.publish(dht, swarm.run_id, signer, final).result()
+                except Exception as e:  # the p2p daemon already gone (Ctrl-C in a terminal)
+                    logger.debug("could not store the last metrics record: %r", e)
+
+            _bounded(publish_final, 10, "the last metrics record")
         summary.update(summary_extra)
         summary["credited_samples"], summary["credited_steps"] = optimizer.ledger.samples, optimizer.ledger.steps
         summary["credits"] = list(optimizer.ledger.entries)
