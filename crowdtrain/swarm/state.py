@@ -88,8 +88,8 @@ class StateUploadLimit:
         (busy, see above), answer "nothing loaded" instead of going down the list to an older
         state, such as the coordinator's last checkpoint. The caller asks again a moment later,
         when a donor has a free slot. Older states are still taken when the newest epoch's donors
-        failed (left, unreachable) rather than being busy. Canary: tests/test_swarm.py's newcomer
-        storm (a newcomer that took the checkpoint would download again at every step)."""
+        failed (left, unreachable) rather than being busy. Canary: tests/test_state_uploads.py, which
+        fails if a busy donor's empty answer stops meaning "next donor" or the fallback returns."""
         if timeout is not None:
             timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         try:
@@ -128,6 +128,7 @@ class StateUploadLimit:
                         busy += math.floor(priority[peer][0]) >= newest
                         logger.debug("peer %s did not send its state (busy or not sharing)", peer)
                         continue
+                    # hivemind's wording: tests/swarm_harness.py and bench_storm read the donor from it.
                     logger.info("Finished downloading state in %.3fs from %s", time.monotonic() - t0, peer)
                     with self.states_loaded.get_lock():
                         self.states_loaded.value += 1
