@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from crowdtrain.swarm.state import DOWNLOADED_FROM  # noqa: E402
 from crowdtrain.testbed.suite import storm  # noqa: E402
 from crowdtrain.testbed.swarm import run_plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DOWNLOADED = re.compile(r"Finished downloading state in ([0-9.]+)s from (\S+)")
 
 
 def storm_stats(raw: dict, out_dir: Path) -> dict:
@@ -42,7 +41,7 @@ def storm_stats(raw: dict, out_dir: Path) -> dict:
     for name, joined_unix in joins.items():
         s = summaries.get(name, {})
         log = (out_dir / "logs" / f"{name}.log").read_text(errors="replace")
-        downloads = [(float(t), names.get(peer, peer[-8:])) for t, peer in DOWNLOADED.findall(log)]
+        downloads = [(float(t), names.get(peer, peer[-8:])) for t, peer in DOWNLOADED_FROM.findall(log)]
         credited = [c["epoch"] for c in s.get("credits", []) if c["credited"]]
         newcomers[name] = {
             "donor": downloads[0][1] if downloads else None, "download_s": downloads[0][0] if downloads else None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -14,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from crowdtrain.lifecycle import die_with_parent
+from crowdtrain.swarm.state import DOWNLOADED_FROM
 
 
 def free_port() -> int:
@@ -184,9 +184,6 @@ def check_ledger(swarm: Swarm, summaries: dict[str, dict], timeout: float = 40.0
     print(f"ledger: {expected} credited, as on the leaderboard; {checked} of {len(by_epoch)} rounds' weights "
           "checked against their reducers'")
     return board
-
-
-DOWNLOADED_FROM = re.compile(r"Finished downloading state in ([0-9.]+)s from (\S+)")  # hivemind's averager log
 
 
 def newcomer_storm(tmp: Path, *, newcomers: int = 4, base_peers: int = 3, mode: str = "sync",

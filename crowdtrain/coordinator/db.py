@@ -467,16 +467,11 @@ class Store:
                                                   func.sum(Contribution.compute_s).label("compute_s"))
                                            .group_by(Contribution.user))}
             # Epochs: the global steps a user's samples went into; two of their peers in one step count once.
-            steps_at: dict[tuple[str, int], int] = {}
-            for row in s.execute(select(Contribution.user, Contribution.epoch, Contribution.steps)
-                                 .where(Contribution.steps > 0)):
-                key = (row.user, row.epoch)
-                steps_at[key] = max(steps_at.get(key, 0), int(row.steps))
-            for (user, _), steps in steps_at.items():
-                totals.setdefault(user, {"samples": 0, "compute_s": 0.0})
-                totals[user]["epochs"] = totals[user].get("epochs", 0) + steps
-            for total in totals.values():
-                total.setdefault("epochs", 0)
+            per_epoch = (select(Contribution.user, func.max(Contribution.steps).label("steps"))
+                         .group_by(Contribution.user, Contribution.epoch).subquery())
+            for row in s.execute(select(per_epoch.c.user, func.sum(per_epoch.c.steps).label("epochs"))
+                                 .group_by(per_epoch.c.user)):
+                totals[row.user]["epochs"] = int(row.epochs or 0)
             plausible = case((Peer.last_seen <= now + MAX_CLOCK_SKEW_S, Peer.last_seen), else_=None)
             seen = {row.user: (row.last_seen, row.peers)
                     for row in s.execute(select(Peer.user, func.max(plausible).label("last_seen"),

@@ -26,6 +26,7 @@ import logging
 import math
 import multiprocessing as mp
 import random
+import re
 import threading
 import time
 from typing import AsyncIterator
@@ -40,6 +41,10 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 
 logger = logging.getLogger(__name__)
+
+# The line a downloader logs after each state it receives (hivemind's wording); tests and
+# benchmarks read who served which newcomer from it.
+DOWNLOADED_FROM = re.compile(r"Finished downloading state in ([0-9.]+)s from (\S+)")
 
 
 class StateUploadLimit:
@@ -128,7 +133,6 @@ class StateUploadLimit:
                         busy += math.floor(priority[peer][0]) >= newest
                         logger.debug("peer %s did not send its state (busy or not sharing)", peer)
                         continue
-                    # hivemind's wording: tests/swarm_harness.py and bench_storm read the donor from it.
                     logger.info("Finished downloading state in %.3fs from %s", time.monotonic() - t0, peer)
                     with self.states_loaded.get_lock():
                         self.states_loaded.value += 1
