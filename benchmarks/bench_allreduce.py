@@ -13,10 +13,9 @@ adding one change to the one before. Every one runs the gradient averager's way:
 (each reducer sends back its result).
 - ``hivemind``: hivemind's UNIFORM_8BIT encoder and decoder, an elementwise NaN/inf check of each
   part in the reducer, each result encoded once per groupmate, and hivemind's re-declaration of
-  the averager as a state donor in the DHT after every averaged tensor (crowdtrain before
-  2026-11-24);
+  the averager as a state donor in the DHT after every averaged tensor;
 - ``codec``: :class:`crowdtrain.swarm.compression.Uniform8Bit` and
-  :func:`crowdtrain.swarm.robust.finite_part` (crowdtrain from 2026-11-24 12:00);
+  :func:`crowdtrain.swarm.robust.finite_part`;
 - ``encode-once``: each result encoded once for all groupmates;
 - ``crowdtrain``: and the gradient averager does not declare itself a state donor at all (what
   crowdtrain runs).
@@ -51,6 +50,7 @@ def use_codec(codec: str) -> None:
     from hivemind.compression import serialization
 
     import crowdtrain.swarm.compression as compression
+    import crowdtrain.swarm.hivemind_seam.averaging as seam
     import crowdtrain.swarm.robust as robust
 
     if codec == "hivemind":
@@ -61,11 +61,11 @@ def use_codec(codec: str) -> None:
         assert compression.install_fast_decoder()
     if codec in ("hivemind", "codec"):
         def encode_per_taker(self, part_index, result, compression_type):
-            return asyncio.get_event_loop().run_in_executor(None, robust.serialize_torch_tensor, result,
+            return asyncio.get_event_loop().run_in_executor(None, seam.serialize_torch_tensor, result,
                                                             compression_type)
-        robust.RobustAllReduceRunner._result_message = encode_per_taker
+        seam.RobustAllReduceRunner._result_message = encode_per_taker
     if codec != "crowdtrain":  # hivemind's averager: "state updated" after every averaged tensor
-        run_allreduce, averaging = robust.RobustAveragerMixin._run_allreduce_inplace_, []
+        run_allreduce, averaging = seam.RobustAveragerMixin._run_allreduce_inplace_, []
 
         async def run_allreduce_declaring_per_tensor(self, *args, **kwargs):
             averaging.append(self)
@@ -79,9 +79,9 @@ def use_codec(codec: str) -> None:
                 yield items
                 averaging[-1]._state_updated.set()
 
-        azip = robust.azip
-        robust.azip = azip_declaring
-        robust.RobustAveragerMixin._run_allreduce_inplace_ = run_allreduce_declaring_per_tensor
+        azip = seam.azip
+        seam.azip = azip_declaring
+        seam.RobustAveragerMixin._run_allreduce_inplace_ = run_allreduce_declaring_per_tensor
 
 
 def peer(index: int, n: int, rounds: int, codec: str, addrs: mp.Queue, ready: mp.Queue, start: mp.Queue,
@@ -94,7 +94,7 @@ def peer(index: int, n: int, rounds: int, codec: str, addrs: mp.Queue, ready: mp
     from crowdtrain.model.config import get_preset
     from crowdtrain.model.info import build_meta_model
     from crowdtrain.swarm.compression import PaperCompression
-    from crowdtrain.swarm.robust import robust_averager_class
+    from crowdtrain.swarm.hivemind_seam.averaging import robust_averager_class
     from crowdtrain.testbed.swarm import MODEL_22M
 
     torch.set_num_threads(1)

@@ -67,7 +67,7 @@ def parse_arm(arm: str, default_target: int) -> dict:
 def run_arm(arm: dict, *, data: str, samples: int, points: int, rows, seed: int = 0) -> list[dict]:
     from crowdtrain.model.config import get_preset
     from crowdtrain.optim.schedule import linear_warmup_decay, param_groups, warmup_decay_at
-    from crowdtrain.swarm.config import laptop_swarm_config
+    from crowdtrain.runspec.swarm import laptop_swarm_config
     from crowdtrain.swarm.diloco import make_inner_optimizer, make_outer_optimizer
     from crowdtrain.train.task import DalleTask
     from crowdtrain.train.validate import valid_loss

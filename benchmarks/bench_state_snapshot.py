@@ -5,7 +5,7 @@ checkpointer) answers from ``get_current_state`` in its training process. hivemi
 ``TrainingStateAverager`` hands over its live tensors, which the download then compresses one by
 one as the stream reaches them: over a home link that is minutes, during which the optimizer steps
 and averaging rounds rewrite them, so the newcomer got a mix of every epoch the download spanned.
-``crowdtrain.swarm.state.ConsistentStateAverager`` copies them under the optimizer's and the
+``crowdtrain.swarm.hivemind_seam.state.ConsistentStateAverager`` copies them under the optimizer's and the
 tensors' locks instead. This measures the price of that copy, in the same process, alternating the
 two, on the state a volunteer serves: the parameters plus the 8-bit LAMB's statistics (the paper's
 optimizer, offloaded to the CPU as the paper runs it).
@@ -39,9 +39,9 @@ def main() -> int:
     from crowdtrain.model.config import get_preset
     from crowdtrain.model.transformer import DalleTransformer
     from crowdtrain.optim import param_groups
-    from crowdtrain.swarm.config import SwarmConfig
+    from crowdtrain.runspec.swarm import SwarmConfig
     from crowdtrain.swarm.optimizer import make_lamb
-    from crowdtrain.swarm.state import ConsistentStateAverager
+    from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager
     from crowdtrain.testbed.swarm import MODEL_22M
 
     torch.set_num_threads(1)

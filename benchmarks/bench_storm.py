@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from crowdtrain.swarm.state import DOWNLOADED_FROM  # noqa: E402
+from crowdtrain.swarm.hivemind_seam.state import DOWNLOADED_FROM  # noqa: E402
 from crowdtrain.testbed.suite import storm  # noqa: E402
 from crowdtrain.testbed.swarm import run_plan  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Swarm benchmarks on 127.0.0.1: wire bytes, heterogeneous throughput, newcomer catch-up.
+"""LocalSwarm benchmarks on 127.0.0.1: wire bytes, heterogeneous throughput, newcomer catch-up.
 
 1. Bytes per averaging round: the serialized size (hivemind's protobuf messages, as sent) of
    one copy of every gradient tensor, and of the full state a newcomer downloads, with the
@@ -31,9 +31,9 @@ from hivemind.compression import CompressionInfo, NoCompression, TensorRole  # n
 
 from crowdtrain.model import get_preset  # noqa: E402
 from crowdtrain.swarm.compression import PaperCompression  # noqa: E402
-from crowdtrain.swarm.config import SwarmConfig  # noqa: E402
+from crowdtrain.runspec.swarm import SwarmConfig  # noqa: E402
 from crowdtrain.swarm.optimizer import make_lamb  # noqa: E402
-from tests.swarm_harness import Swarm  # noqa: E402
+from crowdtrain.launch import LocalSwarm  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -73,7 +73,7 @@ PEERS = [("fast", 16, 0.4), ("medium", 8, 0.4), ("slow", 8, 1.2)]  # name, batch
 
 def run_swarm(tmp: Path, peers, epochs: int, target: int) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    swarm = Swarm(tmp, swarm={"target_batch_size": target, "total_epochs": 1000})
+    swarm = LocalSwarm(tmp, swarm={"target_batch_size": target, "total_epochs": 1000})
     try:
         swarm.start_coordinator()
         for name, batch, step_s in peers:
@@ -106,7 +106,7 @@ def _full_share(summaries: dict) -> float:
 
 def bench_newcomer(tmp: Path) -> dict:
     (tmp / "newcomer").mkdir(parents=True, exist_ok=True)
-    swarm = Swarm(tmp / "newcomer", preset="demo", swarm={"target_batch_size": 256, "total_epochs": 1000})
+    swarm = LocalSwarm(tmp / "newcomer", preset="demo", swarm={"target_batch_size": 256, "total_epochs": 1000})
     try:
         swarm.start_coordinator()
         swarm.join("a", batch_size=16, max_epochs=1000)

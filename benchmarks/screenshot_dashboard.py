@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from playwright.sync_api import sync_playwright  # noqa: E402
 
-from tests.swarm_harness import Swarm  # noqa: E402
-from tests.test_web_browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from crowdtrain.launch import CHROMIUM, CHROMIUM_ARGS, LocalSwarm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +54,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "dashboard.png"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        swarm = Swarm(Path(tmp), preset=args.preset, data=args.data,
+        swarm = LocalSwarm(Path(tmp), preset=args.preset, data=args.data,
                       swarm={"target_batch_size": 192, "total_epochs": 400, "warmup_epochs": 5,
                              "checkpoint_every_epochs": 10})
         try:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.swarm_harness import Swarm  # noqa: E402
+from crowdtrain.launch import LocalSwarm  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -76,7 +76,7 @@ def _role(pid: int, root: int, cmd: str) -> str:
         return "main"
     if "p2pd" in cmd:
         return "p2pd"
-    if "crowdtrain.coordinator.aux_peer" in cmd:
+    if "crowdtrain.auxpeer" in cmd:
         return "aux"
     return "child"
 
@@ -173,7 +173,7 @@ def run(args) -> dict:
     if tmp.exists() and any(tmp.iterdir()):
         raise SystemExit(f"{tmp} is not empty: give a new --out (a soak starts a fresh run)")
     tmp.mkdir(parents=True, exist_ok=True)
-    swarm = Swarm(tmp, swarm={"target_batch_size": args.target_batch, "total_epochs": 10**6, "warmup_epochs": 5,
+    swarm = LocalSwarm(tmp, swarm={"target_batch_size": args.target_batch, "total_epochs": 10**6, "warmup_epochs": 5,
                               "lr": 0.01, "checkpoint_every_epochs": args.checkpoint_every,
                               "averaging_timeout_s": 60.0})
     step = ["--simulated-step-s", str(args.step_s)]

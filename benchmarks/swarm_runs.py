@@ -9,8 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.swarm_harness import Swarm  # noqa: E402
-from tests.test_swarm import eval_loss, initial_loss  # noqa: E402,F401
+from crowdtrain.launch import LocalSwarm  # noqa: E402
+from crowdtrain.train.validate import pattern_loss  # noqa: E402
 
 
 def run(tmp: Path, *, swarm: dict, peers: list[tuple[str, int, list[str]]], epochs: int,
@@ -19,7 +19,7 @@ def run(tmp: Path, *, swarm: dict, peers: list[tuple[str, int, list[str]]], epoc
     reaches ``epochs``, and return per-peer summaries plus the held-out loss of saved weights."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    s = Swarm(tmp, swarm=swarm)
+    s = LocalSwarm(tmp, swarm=swarm)
     t0 = time.perf_counter()
     try:
         s.start_coordinator()
@@ -28,7 +28,12 @@ def run(tmp: Path, *, swarm: dict, peers: list[tuple[str, int, list[str]]], epoc
         codes = {name: s.wait_exit(name, timeout_s) for name, *_ in peers}
         wall = time.perf_counter() - t0
         summaries = {name: s.summary(name) for name, *_ in peers}
-        losses = {name: eval_loss(tmp / f"{name}.safetensors") for name, *_ in peers}
+        losses = {name: pattern_loss(tmp / f"{name}.safetensors") for name, *_ in peers}
     finally:
         s.close()
     return {"codes": codes, "wall_s": wall, "summaries": summaries, "eval_loss": losses}
+
+
+def initial_loss() -> float:
+    """The held-out loss of the run's initial model (``tiny``, seed 0)."""
+    return pattern_loss()

@@ -3,7 +3,7 @@ PostgreSQL) the coordinator's storage is tested against."""
 
 import pytest
 
-from tests.swarm_harness import Swarm
+from crowdtrain.launch import LocalSwarm
 
 
 @pytest.fixture
@@ -12,7 +12,7 @@ def swarm_factory(tmp_path):
     created = []
 
     def make(**kwargs):
-        swarm = Swarm(tmp_path, **kwargs)
+        swarm = LocalSwarm(tmp_path, **kwargs)
         created.append(swarm)
         return swarm
 

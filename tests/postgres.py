@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.swarm_harness import free_port
+from crowdtrain.launch import free_port
 
 INSTALL = "apt-get install -y postgresql (make test does it)"
 

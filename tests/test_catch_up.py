@@ -14,14 +14,16 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from crowdtrain.swarm import metrics as swarm_metrics
-from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.runspec.swarm import SwarmConfig
+from crowdtrain.swarm import optimizer as optimizer_module
 from crowdtrain.swarm.optimizer import StateUnavailable, SwarmOptimizer
+from crowdtrain.swarm.rounds import StateOffer
 
 
 class _StateAverager:
     def __init__(self, outcomes):
         self.outcomes, self.calls, self.local_epoch = list(outcomes), 0, 0
-        self.states_loaded = SimpleNamespace(value=0)  # as crowdtrain.swarm.state.StateUploadLimit counts
+        self.states_loaded = SimpleNamespace(value=0)  # as crowdtrain.swarm.hivemind_seam.state.StateUploadLimit counts
 
     def step(self, wait_for_delayed_updates):
         pass
@@ -62,7 +64,7 @@ def _optimizer(outcomes, global_epoch, give_up_s, swarm_epochs=()):
                               training_progress_key="run_progress")
     opt = _Optimizer(scheduled_grads=None, state_averager=averager, grad_averager=None, tracker=tracker,
                      load_state_timeout=1.0, give_up_s=give_up_s, _behind_since=None, client_mode=True,
-                     use_gradient_averaging=False, _lost_round=None)
+                     use_gradient_averaging=False, _lost_round=None, offer=StateOffer(averager, client_mode=True))
     return opt, averager
 
 
@@ -137,7 +139,7 @@ def test_after_a_long_download_the_epoch_check_reads_the_swarm_afresh():
     assert averager.calls == 1 and opt.local_epoch == 6
 
 
-def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state():
+def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state(monkeypatch):
     # A round that went on without this peer: it is still looking for a group after a
     # matchmaking time and another peer reports having finished this epoch's round in a group.
     # Waiting out the averaging timeout would only let that group leave before we download.
@@ -156,12 +158,14 @@ def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state
     # The next step downloads, with our diverged state hidden meanwhile from other left-out peers.
     opt, averager = _optimizer([5], global_epoch=5, give_up_s=600)
     opt.client_mode, opt._lost_round = False, 4
+    opt.offer = StateOffer(averager, client_mode=False)
     # The next round, scheduled ahead, has no group yet: cancelled, not waited for (hivemind
     # tags along with zero weight and blocks until that round ends, maybe an epoch away).
     cancelled = []
     opt.scheduled_grads = SimpleNamespace(done=lambda: False, triggered=False, stage=AveragingStage.LOOKING_FOR_GROUP,
                                           cancel=lambda: cancelled.append(True))
-    opt._tag_along_with_zero_weight = lambda control: pytest.fail("waited for a round with no group yet")
+    monkeypatch.setattr(optimizer_module, "tag_along",
+                        lambda control, timeout: pytest.fail("waited for a round with no group yet"))
     opt.state_averager.allow_state_sharing = True
     sharing = []
     averager.load_state_from_peers = lambda timeout: (sharing.append(averager.allow_state_sharing),
@@ -256,7 +260,7 @@ def test_a_peer_left_out_of_a_round_ranks_its_state_below_the_groups_at_once():
     # At its epoch they would tie with the group's; not offered at all, the coordinator's copy
     # (epochs old) would be the best on offer. Half an epoch lower: below the group, above that.
     averager = SimpleNamespace(state_sharing_priority=7.0)
-    opt = SimpleNamespace(client_mode=False, state_averager=averager, local_epoch=7)
+    opt = SimpleNamespace(state_averager=averager, local_epoch=7, offer=StateOffer(averager, client_mode=False))
     SwarmOptimizer._demote_state(opt)
     assert averager.state_sharing_priority == 6.5
 
@@ -264,7 +268,7 @@ def test_a_peer_left_out_of_a_round_ranks_its_state_below_the_groups_at_once():
 @pytest.fixture
 def sgd_state_averager():
     """A peer's state averager over one parameter of ones, SGD at lr 0.5, offloaded as in a run."""
-    from crowdtrain.swarm.state import ConsistentStateAverager
+    from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager
 
     dht = hivemind.DHT(start=True)
     param = torch.nn.Parameter(torch.ones(4))
@@ -280,9 +284,9 @@ def sgd_state_averager():
 
 def test_a_peer_mid_update_serves_a_copy_never_last_epochs_parameters_as_this_epochs(sgd_state_averager):
     # The delayed update: the epoch is incremented at once, the step runs in the background. A
-    # download in between used to get the old parameters labelled with the new epoch, and the
-    # peer that took them stayed one update behind the swarm.
-    from crowdtrain.swarm.state import ConsistentStateAverager
+    # download in between must not get the old parameters labelled with the new epoch: the peer
+    # that took them would stay one update behind the swarm.
+    from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager
 
     averager = sgd_state_averager
     assert ConsistentStateAverager.__name__ == "TrainingStateAverager", "RPC names follow the class name"
@@ -362,8 +366,9 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
 
 def _partial(finished_after: int | None, deadline_s: float):
     asked = []
+    averager = SimpleNamespace(state_sharing_priority=4.5)
     opt = SimpleNamespace(_partial_round=(4, time.monotonic() + deadline_s), _partial_checked=0.0, _lost_round=None,
-                          client_mode=False, local_epoch=5, state_averager=SimpleNamespace(state_sharing_priority=4.5),
+                          local_epoch=5, state_averager=averager, offer=StateOffer(averager, client_mode=False),
                           _others_finished=lambda epoch: asked.append(epoch) or (
                               finished_after is not None and len(asked) > finished_after))
     return opt, asked

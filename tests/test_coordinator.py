@@ -16,8 +16,9 @@ from crowdtrain.coordinator.service import create_app
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
 from crowdtrain.swarm.compression import PaperCompression, Uniform8Bit, wire_bytes
-from crowdtrain.swarm.config import SwarmConfig
-from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, unflatten_optimizer_state
+from crowdtrain.runspec.swarm import SwarmConfig
+from crowdtrain.checkpoint import flatten_optimizer_state, unflatten_optimizer_state
+from crowdtrain.swarm.optimizer import make_lamb
 
 
 def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():
@@ -202,7 +203,7 @@ def test_volunteers_stream_real_shards_from_a_running_coordinator_service(tmp_pa
     import uvicorn
 
     from crowdtrain.data import batch_stream, default_text_tokenizer, ensure_demo_shards
-    from tests.swarm_harness import free_port
+    from crowdtrain.launch import free_port
 
     shards = ensure_demo_shards(tmp_path / "shapes", num_train=200)
     port = free_port()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.swarm_harness import get_json
+from crowdtrain.launch import get_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

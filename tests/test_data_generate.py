@@ -162,7 +162,7 @@ def test_generate_rejects_mismatched_tokenizer(tmp_path):
 def _sampler(run_dir):
     """The coordinator's checkpointer, its sampling part only (no DHT, no swarm)."""
     from crowdtrain.coordinator.db import Store
-    from crowdtrain.coordinator.aux_peer import AuxPeer
+    from crowdtrain.auxpeer import AuxPeer
 
     aux = AuxPeer.__new__(AuxPeer)
     aux.run_dir, aux.samples_possible, aux.spec = run_dir, True, {}  # a spec without prompts: the shapes run
@@ -186,7 +186,7 @@ def test_a_run_whose_model_no_image_tokenizer_fits_gets_no_gallery_and_one_line_
 
     ckpt = save_checkpoint(tmp_path / "step-1", DalleTransformer(get_preset("tiny")), step=1)
     aux = _sampler(tmp_path)
-    with caplog.at_level(logging.INFO, logger="crowdtrain.coordinator.aux_peer"):
+    with caplog.at_level(logging.INFO, logger="crowdtrain.auxpeer"):
         aux.make_samples(ckpt, epoch=1)
     assert not aux.samples_possible and aux.store.samples() == []
     assert [r.levelname for r in caplog.records] == ["INFO"] and "no sample images for this run" in caplog.text

@@ -35,7 +35,7 @@ def test_the_throughput_estimate_follows_the_models_speed(monkeypatch):
 @pytest.mark.timeout(420)
 def test_a_short_demo_trains_in_diloco_mode_and_reports_held_out_loss_and_adherence(tmp_path):
     from crowdtrain.data import ensure_demo_shards
-    from tests.swarm_harness import free_port
+    from crowdtrain.launch import free_port
 
     shards = ensure_demo_shards(tmp_path / "shapes", num_train=400, cache=False)
     out = tmp_path / "demo"

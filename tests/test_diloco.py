@@ -8,8 +8,8 @@ from crowdtrain.checkpoint import latest_checkpoint, load_optimizer_state, read_
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
 from crowdtrain.swarm.diloco import params_digest
+from crowdtrain.train.validate import pattern_loss
 from tests.swarm_harness import check_ledger
-from tests.test_swarm import eval_loss, initial_loss
 
 
 def digest_of(path) -> str:
@@ -91,8 +91,8 @@ def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_
         for r in full_rounds), [(r["group_size"], r["bytes_sent"]) for r in full_rounds]
 
     # The loss went down.
-    start = initial_loss()
-    assert eval_loss(swarm.tmp / "a.safetensors") < start - 0.5
+    start = pattern_loss()
+    assert pattern_loss(swarm.tmp / "a.safetensors") < start - 0.5
 
     # The coordinator's auxiliary peer checkpointed the global parameters and the outer momentum.
     checkpoint = latest_checkpoint(swarm.run_dir / "checkpoints")
@@ -137,7 +137,7 @@ def test_overlapped_outer_rounds_train_on_during_the_round_and_still_agree(swarm
     # Each peer leaves on the global parameters of the last sync: the same bits everywhere.
     finals = {n: digest_of(swarm.tmp / f"{n}.safetensors") for n in names}
     assert len(set(finals.values())) == 1, finals
-    assert eval_loss(swarm.tmp / "a.safetensors") < initial_loss() - 0.5
+    assert pattern_loss(swarm.tmp / "a.safetensors") < pattern_loss() - 0.5
 
 
 @pytest.mark.timeout(360)
@@ -154,8 +154,8 @@ def test_centered_clip_keeps_a_scaling_attacker_from_derailing_diloco(swarm_fact
     swarm.join("evil", batch_size=16, max_epochs=epochs, extra=["--inject-fault", "attack=scale"])
     for name in ("a", "b", "c", "evil"):
         assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
-    start = initial_loss()
-    losses = {n: eval_loss(swarm.tmp / f"{n}.safetensors") for n in "abc"}
+    start = pattern_loss()
+    losses = {n: pattern_loss(swarm.tmp / f"{n}.safetensors") for n in "abc"}
     assert all(loss < start - 0.5 for loss in losses.values()), (start, losses)
     rounds = swarm.summary("a")["rounds"]
     assert any(r["group_size"] == 4 for r in rounds), rounds  # the attacker was in the groups
@@ -175,9 +175,9 @@ def test_the_outer_state_survives_a_pickle_free_checkpoint(tmp_path):
 
     from safetensors.torch import save_file
 
-    from crowdtrain.swarm.config import SwarmConfig
+    from crowdtrain.runspec.swarm import SwarmConfig
     from crowdtrain.swarm.diloco import global_param_order, make_outer_optimizer
-    from crowdtrain.swarm.optimizer import flatten_optimizer_state, unflatten_optimizer_state
+    from crowdtrain.checkpoint import flatten_optimizer_state, unflatten_optimizer_state
 
     config = SwarmConfig(mode="diloco")
     torch.manual_seed(0)
@@ -214,7 +214,7 @@ def test_every_peer_ranks_states_alike_newest_epoch_then_largest_group_then_dige
 
 
 def test_centered_clip_needs_groups_of_three():
-    from crowdtrain.swarm.config import SwarmConfig
+    from crowdtrain.runspec.swarm import SwarmConfig
 
     assert SwarmConfig().min_group_size == 2 and SwarmConfig(aggregation="centered_clip").min_group_size == 3
 
@@ -244,7 +244,7 @@ def test_a_group_mixing_two_branches_of_a_split_keeps_the_one_the_swarm_heals_to
 def test_the_eager_estimate_is_the_outer_step_on_our_own_pseudo_gradient():
     """Overlapped rounds train on from ``outer_step_estimate``: it must be exactly what the outer
     Nesterov SGD would do with that pseudo-gradient (momentum included), and leave it untouched."""
-    from crowdtrain.swarm.config import SwarmConfig
+    from crowdtrain.runspec.swarm import SwarmConfig
     from crowdtrain.swarm.diloco import make_outer_optimizer, outer_step_estimate
 
     torch.manual_seed(0)

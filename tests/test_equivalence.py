@@ -22,7 +22,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
-from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.swarm.optimizer import build_optimizer, make_lamb, make_scheduler
 from crowdtrain.train.task import DalleTask
 
@@ -115,7 +115,7 @@ def swarm(batches, *, timeout_s: float = 120.0) -> list[list[torch.Tensor]]:
             t.join(timeout_s * (len(batches) + 1))
         if errors:
             raise errors[0]
-        rounds = [[opt.rounds[k]["group_size"] for opt in optimizers] for k in range(len(batches))]
+        rounds = [[opt.rounds[k].group_size for opt in optimizers] for k in range(len(batches))]
         assert all(size == len(SPLIT) for sizes in rounds for size in sizes), f"group sizes per round: {rounds}"
     finally:
         for opt in optimizers:

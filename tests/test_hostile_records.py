@@ -25,7 +25,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain.runspec.tokens import peer_id_of_key, token_request
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.auth import HttpTokenSource, SwarmAuthorizer, load_identity
-from tests.swarm_harness import Swarm, get_json
+from crowdtrain.launch import LocalSwarm, get_json
 
 RUN_ID = "test"  # the harness's --run-id
 
@@ -33,7 +33,7 @@ RUN_ID = "test"  # the harness's --run-id
 class Peer:
     """A DHT node with its own identity and a token from the coordinator, as a volunteer has."""
 
-    def __init__(self, swarm: Swarm, info: dict, name: str, *, hostile: bool = False):
+    def __init__(self, swarm: LocalSwarm, info: dict, name: str, *, hostile: bool = False):
         self.name = name
         self.key_path = swarm.tmp / f"{name}.key"
         self.key = load_identity(self.key_path)
@@ -70,7 +70,7 @@ class Peer:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    swarm = Swarm(tmp_path_factory.mktemp("hostile"))
+    swarm = LocalSwarm(tmp_path_factory.mktemp("hostile"))
     peers = []
 
     def peer(name: str, **kwargs) -> Peer:
@@ -88,11 +88,11 @@ def run(tmp_path_factory):
         swarm.close()
 
 
-def counter(swarm: Swarm, name: str) -> int:
+def counter(swarm: LocalSwarm, name: str) -> int:
     return get_json(f"{swarm.url}/api/counters").get(name, 0)
 
 
-def wait_for(what: str, check, *, swarm: Swarm, timeout_s: float = 45.0):
+def wait_for(what: str, check, *, swarm: LocalSwarm, timeout_s: float = 45.0):
     """``check()``'s first true value; after ``timeout_s``, fail with ``what`` and the auxiliary peer's log."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -104,15 +104,15 @@ def wait_for(what: str, check, *, swarm: Swarm, timeout_s: float = 45.0):
         time.sleep(0.5)
 
 
-def aux_alive(swarm: Swarm) -> bool:
+def aux_alive(swarm: LocalSwarm) -> bool:
     pid = int((swarm.run_dir / "aux.pid").read_text())
     try:
-        return b"crowdtrain.coordinator.aux_peer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"crowdtrain.auxpeer" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return False
 
 
-def status_moves_on(swarm: Swarm) -> bool:
+def status_moves_on(swarm: LocalSwarm) -> bool:
     """/api/status is refreshed by the auxiliary peer every 2 s: it must go on doing so."""
     before = swarm.status()["updated"]
     return wait_for("the auxiliary peer's status did not move on", lambda: swarm.status()["updated"] > before,
@@ -178,7 +178,7 @@ def test_a_record_counts_only_for_its_signer_under_its_token_user_in_bounds(run)
     assert aux_alive(run)
 
 
-def post_token(swarm: Swarm, body: dict) -> tuple[int, str]:
+def post_token(swarm: LocalSwarm, body: dict) -> tuple[int, str]:
     request = urllib.request.Request(f"{swarm.url}/api/token", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
     try:

@@ -158,7 +158,7 @@ def test_an_allowlist_run_gives_peer_addresses_only_to_its_users(tmp_path):
     import uvicorn
 
     from crowdtrain.swarm.peer import fetch_json
-    from tests.swarm_harness import free_port
+    from crowdtrain.launch import free_port
 
     info = {**run_json(tmp_path), "auth": {"mode": "allowlist"}}
     client, store = make_app(tmp_path, mode="allowlist", run_json=info)

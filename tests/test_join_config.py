@@ -22,9 +22,9 @@ from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.service import AuthSettings, create_app
 from crowdtrain.model.config import get_preset
 from crowdtrain.model.info import architecture_fingerprint
-from crowdtrain.swarm.config import demo_swarm_config
+from crowdtrain.runspec.swarm import demo_swarm_config
 from crowdtrain.swarm.join_info import check_join_info
-from tests.swarm_harness import free_port
+from crowdtrain.launch import free_port
 
 # A well-formed address of a peer that is not there: nothing may dial it before the config passes.
 NOBODY = "/ip4/127.0.0.1/tcp/9/p2p/QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm_harness import free_port, get_json
+from crowdtrain.launch import free_port, get_json
 
 pytestmark = pytest.mark.timeout(240)
 # Python start-up and the coordinator's imports on a busy 2-core machine; the clash used to show
@@ -58,7 +58,7 @@ def test_a_second_coordinator_on_a_live_runs_ports_is_refused_at_once_and_leaves
         "the live run's own folder": (run_dir, live.port, live.dht_port, [f"HTTP port {live.port}", "run 'test'"]),
         # Only the DHT port: hivemind's daemon would share it (SO_REUSEPORT) and the start would succeed.
         "the DHT port alone": (tmp_path / "third", free_port(), live.dht_port,
-                               [f"DHT port {live.dht_port}", "crowdtrain.coordinator.aux_peer", str(run_dir)]),
+                               [f"DHT port {live.dht_port}", "crowdtrain.auxpeer", str(run_dir)]),
     }
     for case, (folder, port, dht_port, named) in cases.items():
         code, out, took = second(folder, port, dht_port)
@@ -199,7 +199,7 @@ def test_a_coordinator_ends_its_auxiliary_peer_on_sigint_sighup_and_its_own_sigk
         swarm.start_coordinator()
     top = {sig: swarm.procs["coordinator"].pid for sig, swarm in swarms.items()}
     for sig, pid in top.items():
-        assert any("aux_peer" in c for c in _process_group(pid).values()), _process_group(pid)
+        assert any("crowdtrain.auxpeer" in c for c in _process_group(pid).values()), _process_group(pid)
         os.kill(pid, sig)
     deadline = time.monotonic() + 90
     left = {sig.name: _process_group(pid) for sig, pid in top.items()}

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from tests._data_helpers import stripes_items
-from tests.swarm_harness import Swarm
+from crowdtrain.launch import LocalSwarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -58,7 +58,7 @@ def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
     # Step 4: the coordinator with both tokenizers by flag and the organizer's own prompts.
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# the gallery\na blue checkerboard number 1\n[held-out] a green gradient number 2\n")
-    swarm = Swarm(tmp_path, preset="tiny", data=str(shards),
+    swarm = LocalSwarm(tmp_path, preset="tiny", data=str(shards),
                   swarm={"target_batch_size": 64, "checkpoint_every_epochs": 2, "matchmaking_time_s": 2.0})
     try:
         info = swarm.start_coordinator(extra=["--image-tokenizer", str(vq), "--text-tokenizer", str(text),

@@ -1,6 +1,6 @@
 """The package graph reads as the architecture (crowdtrain/runspec/__init__.py): the volunteer's
-side (``crowdtrain.swarm``) never imports the coordinator's, the shared run spec imports neither,
-and no library module imports the tests."""
+side (``crowdtrain.swarm``) and the coordinator's (``crowdtrain.coordinator``) never import each
+other, the shared run spec imports neither, and no library module imports the tests."""
 
 import ast
 from pathlib import Path
@@ -31,7 +31,11 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
 
 
 def test_the_volunteers_side_never_imports_the_coordinator():
-    assert offenders("swarm", ("crowdtrain.coordinator",)) == {}
+    assert offenders("swarm", ("crowdtrain.coordinator", "crowdtrain.auxpeer")) == {}
+
+
+def test_the_coordinator_never_imports_the_volunteers_side():
+    assert offenders("coordinator", ("crowdtrain.swarm", "crowdtrain.auxpeer")) == {}
 
 
 def test_the_run_spec_imports_neither_side():

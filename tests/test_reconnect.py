@@ -12,7 +12,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from crowdtrain.swarm.reconnect import BootstrapWatch, bootstrap_peers
-from tests.swarm_harness import free_port
+from crowdtrain.launch import free_port
 
 
 def _first_peer(identity, port) -> hivemind.DHT:

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from crowdtrain.swarm.attacks import ATTACKS, attack_from_fault, parse_fault
-from crowdtrain.swarm.config import AGGREGATIONS, SwarmConfig
-from crowdtrain.swarm.robust import (AGGREGATORS, CenteredClipAggregator, MeanAggregator, RobustTensorPartReducer,
-                                     SuspectAwareProgressTracker, SuspectPeers, WireStats, centered_clip, finite_part,
-                                     make_aggregator)
+from crowdtrain.runspec.swarm import AGGREGATIONS, SwarmConfig
+from crowdtrain.swarm.hivemind_seam.averaging import RobustTensorPartReducer
+from crowdtrain.swarm.hivemind_seam.optimizer import SuspectAwareProgressTracker
+from crowdtrain.swarm.robust import (AGGREGATORS, CenteredClipAggregator, MeanAggregator, SuspectPeers, WireStats,
+                                     centered_clip, finite_part, make_aggregator)
 
 
 def honest_parts(n=6, d=500, seed=0):
@@ -264,28 +265,28 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    import crowdtrain.swarm.robust as robust
+    import crowdtrain.swarm.hivemind_seam.averaging as seam
     from crowdtrain.swarm.compression import PaperCompression
-    from crowdtrain.swarm.robust import robust_averager_class
+    from crowdtrain.swarm.hivemind_seam.averaging import robust_averager_class
 
     encodings = mp.Value("i", 0)  # the averagers fork after this and share it
-    encode = robust.serialize_torch_tensor
+    encode = seam.serialize_torch_tensor
 
     def counting_encode(*args, **kwargs):
         with encodings.get_lock():
             encodings.value += 1
         return encode(*args, **kwargs)
 
-    monkeypatch.setattr(robust, "serialize_torch_tensor", counting_encode)
+    monkeypatch.setattr(seam, "serialize_torch_tensor", counting_encode)
     heaviest = mp.Value("d", 0.0)  # the largest weight a reducer received
-    accumulate = robust.RobustTensorPartReducer.accumulate_part
+    accumulate = seam.RobustTensorPartReducer.accumulate_part
 
     async def recording_accumulate(self, sender_index, part_index, tensor_part, weight=1.0):
         with heaviest.get_lock():
             heaviest.value = max(heaviest.value, weight)
         return await accumulate(self, sender_index, part_index, tensor_part, weight=weight)
 
-    monkeypatch.setattr(robust.RobustTensorPartReducer, "accumulate_part", recording_accumulate)
+    monkeypatch.setattr(seam.RobustTensorPartReducer, "accumulate_part", recording_accumulate)
 
     Averager = robust_averager_class(DecentralizedAverager)
     assert Averager.__name__ == "DecentralizedAverager"  # RPC handler names stay compatible
@@ -341,7 +342,7 @@ def test_an_averager_looking_for_a_group_reads_the_dht_a_few_times_a_second_not_
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from crowdtrain.swarm.robust import robust_averager_class
+    from crowdtrain.swarm.hivemind_seam.averaging import robust_averager_class
 
     dht = hivemind.DHT(start=True)
     averager = robust_averager_class(DecentralizedAverager)(
@@ -368,7 +369,7 @@ def test_the_gradient_averager_gets_the_runs_matchmaking_options():
     # centered_clip's groups of three (an attacker must not be half a group) did not apply to it.
     import hivemind
 
-    from crowdtrain.swarm.config import demo_swarm_config
+    from crowdtrain.runspec.swarm import demo_swarm_config
     from crowdtrain.swarm.optimizer import build_optimizer
 
     dht = hivemind.DHT(start=True)
@@ -401,7 +402,7 @@ def test_a_round_re_declares_a_state_donor_once_not_once_per_tensor(monkeypatch)
     import hivemind
     from hivemind.averaging import DecentralizedAverager
 
-    from crowdtrain.swarm.robust import robust_averager_class
+    from crowdtrain.swarm.hivemind_seam.averaging import robust_averager_class
 
     stores = mp.Value("i", 0)  # the averagers fork after this and share it
     store = hivemind.DHT.store
@@ -447,7 +448,7 @@ def test_a_part_for_a_group_we_have_not_started_yet_waits_for_it_instead_of_bein
     from hivemind.averaging import DecentralizedAverager
     from hivemind.proto import averaging_pb2
 
-    from crowdtrain.swarm.robust import robust_averager_class
+    from crowdtrain.swarm.hivemind_seam.averaging import robust_averager_class
 
     class Runner:
         async def rpc_aggregate_part(self, stream, context):

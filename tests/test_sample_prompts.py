@@ -116,7 +116,7 @@ def test_a_run_whose_tokenizers_do_not_fit_its_model_is_refused_naming_the_setti
 
 
 def test_the_checkpointer_draws_a_runs_own_prompts_after_their_real_images(stripes, tmp_path):
-    from crowdtrain.coordinator.aux_peer import AuxPeer
+    from crowdtrain.auxpeer import AuxPeer
 
     shards, vq = stripes
     torch.manual_seed(0)
@@ -193,7 +193,7 @@ def test_a_non_shapes_runs_pages_show_its_prompts_without_composition_tags(tmp_p
 
 
 def test_the_memory_calculator_opens_on_the_runs_model_in_the_sites_style(stripes, tmp_path):
-    from crowdtrain.swarm.config import laptop_swarm_config
+    from crowdtrain.runspec.swarm import laptop_swarm_config
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

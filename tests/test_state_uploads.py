@@ -1,5 +1,5 @@
 """A donor sends a few states at a time, and a turned-away newcomer never settles for an older state
-(crowdtrain.swarm.state.StateUploadLimit): real hivemind averagers in one process."""
+(crowdtrain.swarm.hivemind_seam.state.StateUploadLimit): real hivemind averagers in one process."""
 
 import time
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 
-from crowdtrain.swarm.state import StateUploadLimit
+from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit
 
 
 class Peer(StateUploadLimit, DecentralizedAverager):

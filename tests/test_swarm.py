@@ -10,29 +10,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crowdtrain.model import DalleTransformer, get_preset
+from crowdtrain.model import get_preset
 from crowdtrain.swarm.metrics import Ledger
 from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
+from crowdtrain.train.validate import pattern_loss
 from tests.swarm_harness import check_ledger, newcomer_storm, noise_in
 
 
 def eval_loss(path) -> float:
-    """Loss of saved parameters on one fixed batch of the learnable pattern data."""
-    cfg = get_preset("tiny")
-    model = DalleTransformer(cfg)
-    model.load_state_dict(load_file(str(path)))
-    model.eval()
-    batch = next(DalleTask(cfg, data="pattern").batches(batch_size=128, seed_key="held-out eval"))
-    with torch.no_grad():
-        return model(**batch).loss.item()
+    return pattern_loss(path)
 
 
 def initial_loss() -> float:
-    torch.manual_seed(0)
-    cfg = get_preset("tiny")
-    batch = next(DalleTask(cfg, data="pattern").batches(batch_size=128, seed_key="held-out eval"))
-    with torch.no_grad():
-        return DalleTransformer(cfg).eval()(**batch).loss.item()
+    return pattern_loss()
 
 
 @pytest.mark.timeout(420)

@@ -15,7 +15,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.proto import averaging_pb2
 
-from tests.swarm_harness import Swarm, get_json
+from crowdtrain.launch import LocalSwarm, get_json
 
 LIFETIME_S = 20
 
@@ -39,7 +39,7 @@ async def call_as_stranger(maddrs: list[str], peer_id: str, averager_cls, namesp
 
 @pytest.mark.timeout(600)
 def test_allowlist_run_admits_keys_refuses_strangers_revokes_and_keeps_its_history(tmp_path):
-    swarm = Swarm(tmp_path, swarm={"checkpoint_every_epochs": 2})
+    swarm = LocalSwarm(tmp_path, swarm={"checkpoint_every_epochs": 2})
     try:
         keys = {name: add_user(swarm.run_dir, name) for name in ("alice", "bob")}
         info = swarm.start_coordinator(extra=["--auth", "allowlist", "--token-lifetime-s", str(LIFETIME_S),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -20,13 +19,8 @@ import pytest
 from playwright.sync_api import sync_playwright
 from safetensors.numpy import load as load_safetensors
 
-from tests.swarm_harness import Swarm, get_json
+from crowdtrain.launch import CHROMIUM, CHROMIUM_ARGS, LocalSwarm, get_json
 
-CHROMIUM = os.environ.get("CROWDTRAIN_CHROMIUM", "/usr/bin/chromium")
-# Headless without a sandbox (containers run as root) and without chromium's own traffic to Google:
-# this machine has no outside network, and the background services would flood refused connections.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENSHOT = Path(__file__).resolve().parents[1] / "out" / "test_web_browser" / "dashboard.png"
 EPOCHS = 4
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -48,7 +42,7 @@ def launch_chromium(playwright):
 def trained(tmp_path_factory):
     """A finished short run whose coordinator is still serving: alice and bob trained EPOCHS epochs."""
     require_chromium()  # before two minutes of training, not after
-    swarm = Swarm(tmp_path_factory.mktemp("web"), swarm={"target_batch_size": 96, "checkpoint_every_epochs": 2,
+    swarm = LocalSwarm(tmp_path_factory.mktemp("web"), swarm={"target_batch_size": 96, "checkpoint_every_epochs": 2,
                                                         "matchmaking_time_s": 2.0})
     try:
         swarm.start_coordinator()
@@ -178,7 +172,7 @@ def serve_app(run_dir: Path, store):
     import uvicorn
 
     from crowdtrain.coordinator.service import AuthSettings, create_app
-    from tests.swarm_harness import free_port
+    from crowdtrain.launch import free_port
 
     port = free_port()
     app = create_app(run_dir, store=store, public_url=f"http://127.0.0.1:{port}",
@@ -219,7 +213,7 @@ def test_samples_of_a_run_on_own_images_show_its_captions_after_their_real_image
     from crowdtrain.coordinator.run import CoordinatorConfig, build_spec
     from crowdtrain.data.tokenizers import SHAPES_TEXT_TOKENIZER
     from crowdtrain.model.transformer import DalleTransformer
-    from crowdtrain.coordinator.aux_peer import AuxPeer
+    from crowdtrain.auxpeer import AuxPeer
     from tests._data_helpers import make_stripes_shards
 
     shards, vq = make_stripes_shards(tmp_path)

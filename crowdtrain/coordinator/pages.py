@@ -14,7 +14,6 @@ No torch here, as in the rest of ``coordinator/``.
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from datetime import datetime, timezone
@@ -26,8 +25,9 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from crowdtrain.coordinator.db import Store
-from crowdtrain.data.sample_prompts import load_run_prompts
 from crowdtrain.coordinator.service import CHECKPOINT_FILES, run_status
+from crowdtrain.data.sample_prompts import load_run_prompts
+from crowdtrain.runspec.files import read_run_info
 
 HERE = Path(__file__).resolve().parent
 GUIDE_NAME = "organize-a-run.md"
@@ -147,13 +147,6 @@ def mark_gaps(points: list[dict], *, gap_s: float = GAP_S, before: dict | None =
     return out
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def _templates() -> Jinja2Templates:
     # Lenient undefined: a field missing from run.json (an older aux peer) renders blank, never a 500.
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(HERE / "templates")), autoescape=True,
@@ -190,7 +183,8 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
               "favicon.svg": (HERE / "static" / "favicon.svg", "image/svg+xml")}
 
     def render(request: Request, template: str, page: str, **context) -> HTMLResponse:
-        info = _read_json(run_dir / "run.json") or {}
+        run_info, _ = read_run_info(run_dir)  # a problem with it shows in the status
+        info = run_info.to_dict() if run_info is not None else {}
         status = run_status(run_dir, store)
         total = status["total_epochs"]
         base = {"nav": NAV, "page": page, "public_url": public_url, "auth_mode": auth_mode,

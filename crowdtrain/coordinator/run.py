@@ -1,7 +1,7 @@
 """`crowdtrain coordinator`: start a run in one command.
 
 The coordinator process serves HTTP (uvicorn) and supervises a child process, the auxiliary
-peer (``crowdtrain.coordinator.aux_peer``), which is the run's first DHT peer. They share the run
+peer (``crowdtrain.auxpeer``), which is the run's first DHT peer. They share the run
 folder: the coordinator writes ``coordinator.json`` (the run's spec), the child answers with
 ``run.json`` (join information with initial peers), ``status.json``, ``metrics.jsonl`` and
 checkpoints. This process never imports torch.
@@ -22,11 +22,12 @@ from pathlib import Path
 
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.ports import Port, check_ports, cmdline, parent_pid
-from crowdtrain.runspec.tokens import CoordinatorKey
 from crowdtrain.data.sample_prompts import RUN_FILE as RUN_PROMPTS_FILE
 from crowdtrain.lifecycle import die_with_parent, exit_on_signals
 from crowdtrain.model.config import get_preset
-from crowdtrain.swarm.config import SwarmConfig, demo_swarm_config, laptop_swarm_config
+from crowdtrain.runspec import files
+from crowdtrain.runspec.swarm import SwarmConfig, demo_swarm_config, laptop_swarm_config
+from crowdtrain.runspec.tokens import CoordinatorKey
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except (FileNotFoundError, ValueError, OSError):
         return
-    if "crowdtrain.coordinator.aux_peer" not in cmdline:
+    if "crowdtrain.auxpeer" not in cmdline:
         return  # the pid was reused by something else
     logger.warning("ending the auxiliary peer left over from a previous start (pid %d)", pid)
     os.kill(pid, signal.SIGTERM)
@@ -283,7 +284,7 @@ def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
 
 
 def _aux_command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "crowdtrain.coordinator.aux_peer", str(run_dir)]
+    return [sys.executable, "-m", "crowdtrain.auxpeer", str(run_dir)]
 
 
 def _aux_processes(run_dir: Path) -> dict[int, int]:
@@ -405,12 +406,12 @@ def run_coordinator(config: CoordinatorConfig) -> int:
         [{k: v for k, v in p.items() if k != "reference"} for p in spec["sample_prompts"]], indent=1))
     _end_leftover_aux(run_dir)
     _end_orphans_of_aux(run_dir)
-    for stale in ("run.json", "status.json"):  # from a previous start: the new aux peer rewrites them
+    for stale in (files.RUN_INFO, files.STATUS):  # from a previous start: the new aux peer rewrites them
         (run_dir / stale).unlink(missing_ok=True)
     aux = AuxSupervisor(run_dir)
     try:
         deadline = time.monotonic() + config.startup_timeout_s
-        while not (run_dir / "run.json").is_file():
+        while not (run_dir / files.RUN_INFO).is_file():
             if aux.proc.poll() is not None:
                 tail = (run_dir / "aux.log").read_text()[-2000:]
                 raise RuntimeError(f"the auxiliary peer exited with code {aux.proc.returncode}; its log ends:\n{tail}")
@@ -419,9 +420,11 @@ def run_coordinator(config: CoordinatorConfig) -> int:
                                    f"see {run_dir / 'aux.log'}")
             time.sleep(0.2)
         aux.watch()
-        info = json.loads((run_dir / "run.json").read_text())
+        info, problem = files.read_run_info(run_dir)
+        if info is None:
+            raise RuntimeError(f"the auxiliary peer wrote a broken {files.RUN_INFO}: {problem}; see {run_dir / 'aux.log'}")
         logger.info("run %s is up: volunteers join with\n\n    crowdtrain join %s\n\nDHT peer %s",
-                    config.run_id, config.url, info["coordinator_peer_id"])
+                    config.run_id, config.url, info.coordinator_peer_id)
         logger.info("dashboard: %s/dashboard", config.url)
         app = create_app(run_dir, store=store, shards_dir=shards_dir,
                          text_tokenizer=spec["text_tokenizer"]["path"] if spec["text_tokenizer"] else None,

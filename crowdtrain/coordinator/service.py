@@ -26,6 +26,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from crowdtrain.coordinator.db import Store
+from crowdtrain.runspec.files import read_run_info, read_status
 from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
 from crowdtrain.runspec.tokens import CoordinatorKey, check_token_request, peer_id_of_key
 
@@ -101,13 +102,13 @@ def _inside(root: Path, relative: str) -> Path:
 
 def run_status(run_dir: Path, store: Store) -> dict:
     """The run at a glance, for the API and the pages."""
-    info = _read_json(run_dir / "run.json") or {}
-    status = _read_json(run_dir / "status.json") or {}
-    swarm = info.get("swarm", {})
-    live = status.get("peers", [])
+    info, info_problem = read_run_info(run_dir)
+    status, status_problem = read_status(run_dir)
+    swarm = info.swarm if info is not None else {}
+    live = status.peers
     history = store.swarm_history(since=time.time() - 600)
-    epoch = int(status.get("epoch", 0))
-    total = int(status.get("total_epochs") or swarm.get("total_epochs") or 0)
+    epoch = status.epoch
+    total = int(status.total_epochs or swarm.get("total_epochs") or 0)
     eta_s = None  # unknown while nobody trains: the run is paused, not ending at the old pace
     if live and len(history) >= 2 and history[-1]["epoch"] > history[0]["epoch"] and total:
         rate = (history[-1]["epoch"] - history[0]["epoch"]) / max(history[-1]["time"] - history[0]["time"], 1e-9)
@@ -115,12 +116,14 @@ def run_status(run_dir: Path, store: Store) -> dict:
     # A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
     live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live if isinstance(p, dict)]
     losses = [p["loss"] for p in live]
-    return {"run_id": info.get("run_id"), "started": info is not None and bool(info), "epoch": epoch,
+    task = info.task if info is not None else {}
+    return {"run_id": info.run_id if info is not None else None, "started": info is not None, "epoch": epoch,
             "total_epochs": total, "target_batch_size": swarm.get("target_batch_size"),
-            "active_peers": len(live), "samples_per_second": float(status.get("samples_per_second", 0.0)),
+            "active_peers": len(live), "samples_per_second": float(status.samples_per_second),
             "loss": sum(losses) / len(losses) if losses else None, "eta_s": eta_s,
-            "last_checkpoint_epoch": status.get("last_checkpoint_epoch"), "updated": status.get("updated"),
-            "peers": live, "model": info.get("task", {}).get("model", {}), "data": info.get("task", {}).get("data")}
+            "last_checkpoint_epoch": status.last_checkpoint_epoch, "updated": status.updated,
+            "peers": live, "model": task.get("model", {}), "data": task.get("data"),
+            "problems": [p for p in (info_problem, status_problem) if p]}
 
 
 def _memcalc_run(run_dir: Path) -> dict | None:

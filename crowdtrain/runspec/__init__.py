@@ -1,8 +1,10 @@
-"""What the coordinator and the volunteers share, with no dependency on either: the access-token
-format (``tokens``), user names (``names``) and ``KEY=VALUE`` settings (``overrides``).
+"""What the coordinator and the volunteers share, with no dependency on either: the run's swarm
+settings (``swarm``), the access-token format (``tokens``), user names (``names``), ``KEY=VALUE``
+settings (``overrides``) and the files the auxiliary peer writes for the web side (``files``).
 
 The package graph reads as the architecture: ``crowdtrain.swarm`` (a volunteer's training and
-averaging) imports ``runspec`` and never ``crowdtrain.coordinator``; the coordinator (the web
-service and its auxiliary peer, ``crowdtrain.coordinator.aux_peer``) imports ``swarm`` for the
-averagers it runs. ``tests/test_package_graph.py`` keeps it so.
+averaging) and ``crowdtrain.coordinator`` (the web service, its database, the process manager)
+import ``runspec`` and never each other; ``crowdtrain.auxpeer`` (the coordinator's swarm peer,
+spawned by the coordinator as a process) is the one module that imports both.
+``tests/test_package_graph.py`` keeps it so.
 """

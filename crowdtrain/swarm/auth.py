@@ -65,6 +65,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from crowdtrain.runspec.tokens import CoordinatorKey, token_payload, token_request, verify_token
+from crowdtrain.swarm.hivemind_seam.p2p import current_token, rsa_key_from_der, with_wrapped_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,7 @@ def load_identity(path: str | Path) -> RSAPrivateKey:
     data = crypto_pb2.PrivateKey.FromString(path.read_bytes())
     if data.key_type != crypto_pb2.RSA:
         raise ValueError(f"{path} is not an RSA identity; delete it and a new one is made")
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": data.data})  # hivemind's documented pickling path: DER bytes
-    return key
+    return rsa_key_from_der(data.data)
 
 
 def peer_id_of(public_key: bytes) -> PeerID:
@@ -199,7 +198,7 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         self.requests = 0  # calls of token_source, for tests and diagnostics
 
     async def get_token(self) -> AccessToken:
-        current = self._local_access_token
+        current = current_token(self)
         still_valid = current is not None and self.is_token_valid(current)
         if self._denied is not None or time.monotonic() < self._next_try:
             if still_valid:
@@ -388,15 +387,8 @@ def guarded(averager_cls: type, guard: AccessGuard | None) -> type:
     if guard is None:
         return averager_cls
 
-    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False):
-        self._collect_rpc_handlers()
-        wrapper = _GuardedHandlers(self, guard, self._rpc_handlers)
-        await averager_cls.add_p2p_handlers(self, p2p, wrapper, namespace=namespace, balanced=balanced)
-
-    # The same class name: hivemind derives RPC protocol names from it, and peers must speak the same.
-    return type(averager_cls.__name__, (averager_cls,), {"add_p2p_handlers": add_p2p_handlers,
-                                                          "access_guard": guard,
-                                                          "__module__": averager_cls.__module__})
+    return with_wrapped_handlers(averager_cls, lambda averager, handlers: _GuardedHandlers(averager, guard, handlers),
+                                 access_guard=guard)
 
 
 def identity_path_for(cache_dir: str | Path, run_id: str, user: str) -> Path:

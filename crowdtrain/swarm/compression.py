@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from hivemind.compression import (CompressionBase, CompressionInfo, Float16Compression, NoCompression,
                                   TensorRole, Uniform8BitQuantization)
-from hivemind.compression import serialization as _serialization
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.proto import runtime_pb2
+
+from crowdtrain.swarm.hivemind_seam.p2p import replace_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +71,11 @@ class Uniform8Bit(Uniform8BitQuantization):
 
 
 def install_fast_decoder() -> bool:
-    """Make hivemind decode UNIFORM_8BIT messages with :class:`Uniform8Bit`. hivemind looks the
-    decoder up by the message's compression type in a module table; if a hivemind release
-    renames the table, its own decoder stays in place (same values, slower) and this says so."""
-    table = getattr(_serialization, "_BASE_COMPRESSION_TYPES", None)
-    if not isinstance(table, dict) or type(table.get("UNIFORM_8BIT")) not in (Uniform8BitQuantization, Uniform8Bit):
+    """Make hivemind decode UNIFORM_8BIT messages with :class:`Uniform8Bit` (same values, faster).
+    If a hivemind release changes its decoder table, its own decoder stays and this says so."""
+    if not replace_decoder("UNIFORM_8BIT", Uniform8Bit(), replaces=(Uniform8BitQuantization, Uniform8Bit)):
         logger.warning("hivemind's decoder table changed: 8-bit messages are decoded by hivemind's slower codec")
         return False
-    table["UNIFORM_8BIT"] = Uniform8Bit()
     return True
 
 

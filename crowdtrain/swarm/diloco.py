@@ -59,10 +59,12 @@ from hivemind.utils import get_dht_time
 from crowdtrain.optim import param_groups, warmup_decay_at
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.compression import PaperCompression
-from crowdtrain.swarm.config import SwarmConfig
-from crowdtrain.swarm.optimizer import swarm_epoch_now
-from crowdtrain.swarm.robust import RobustAveragerMixin, SuspectAwareProgressTracker, SuspectPeers, make_aggregator
-from crowdtrain.swarm.state import StateUploadLimit
+from crowdtrain.runspec.swarm import SwarmConfig
+from crowdtrain.swarm.hivemind_seam.averaging import RobustAveragerMixin
+from crowdtrain.swarm.hivemind_seam.optimizer import SuspectAwareProgressTracker
+from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit, state_offers_key
+from crowdtrain.swarm.robust import SuspectPeers, make_aggregator
+from crowdtrain.swarm.rounds import RoundLog, RoundRecord, StateOffer, swarm_epoch_now, tag_along
 
 logger = logging.getLogger(__name__)
 
@@ -187,9 +189,6 @@ class DiLoCoAverager(StateUploadLimit, RobustAveragerMixin, DecentralizedAverage
             self.base_group = group if isinstance(group, int) and 0 <= group < 1000 else 0
         return self.local_epoch
 
-    def _update_scheduler(self):
-        """The auxiliary peer calls this after setting ``local_epoch``; the outer rate is constant."""
-
     @classmethod
     def for_model(cls, dht, model: torch.nn.Module, config: SwarmConfig, **kwargs) -> "DiLoCoAverager":
         """A state keeper whose global parameters are ``model``'s own (the auxiliary peer's)."""
@@ -236,14 +235,14 @@ class DiLoCoOptimizer:
         self.samples_in_round = 0
         self.scheduled = None
         self.pending: dict | None = None  # an overlapped round in flight (``overlap_outer_round``)
-        self.rounds: list[dict] = []
+        self.rounds = RoundLog()
+        self.offer = StateOffer(self.averager, client_mode=client_mode)
         self.ledger = swarm_metrics.Ledger()
         self.blocked_s = 0.0  # time the trainer spent in rounds and state downloads instead of computing
         self._last_round_end = -float("inf")
         self._consensus_check_at: float | None = None  # after a round smaller than the swarm (see _heal_split)
         self._minority_base = False  # the last round's group started mostly from other global parameters
         self._check_sync = True  # once per epoch, require exactly the swarm's epoch (as hivemind.Optimizer)
-        self._rounds_lock = threading.Lock()
 
     # -- the interface the trainer loop uses
 
@@ -275,7 +274,7 @@ class DiLoCoOptimizer:
                 time.monotonic() >= self._consensus_check_at or self.tracker.ready_to_update_epoch):
             if self._heal_split():
                 return  # this batch's gradient was computed from the losing branch's parameters
-        if self.pending is None and self._should_load_state_from_peers():
+        if self.pending is None and self._should_catch_up():
             logger.log(self.status_loglevel, "peer is out of sync with the swarm; downloading the state")
             t0 = time.perf_counter()
             self.load_state_from_peers()
@@ -315,10 +314,10 @@ class DiLoCoOptimizer:
         if self.pending is not None:  # our part is already in that round: let the group finish it
             self._drop_pending()
         if self.scheduled is not None and not self.scheduled.done():
-            self._tag_along_with_zero_weight(self.scheduled)
+            tag_along(self.scheduled, self.config.averaging_timeout_s)
         self.scheduled = None
-        if lost_branch and not self.client_mode:
-            self.averager.allow_state_sharing = False
+        if lost_branch:
+            self.offer.withdraw()
         deadline = time.monotonic() + (self.config.averaging_timeout_s if lost_branch else 0.0)
         attempt = 0
         while True:
@@ -344,13 +343,10 @@ class DiLoCoOptimizer:
             self.samples_in_round = 0
             self.tracker.report_local_progress(self.local_epoch, 0)
             self._check_sync = True
-            if lost_branch and not self.client_mode:
-                self.averager.allow_state_sharing = True
             self._share_state()
 
-    def last_round(self) -> dict | None:
-        with self._rounds_lock:
-            return self.rounds[-1] if self.rounds else None
+    def last_round(self) -> RoundRecord | None:
+        return self.rounds.last()
 
     def averaging_stats(self) -> dict:
         stats = {"pseudo_gradients": self.averager.wire_stats.snapshot()}
@@ -383,13 +379,13 @@ class DiLoCoOptimizer:
             if self.scheduled.stage == AveragingStage.LOOKING_FOR_GROUP:
                 self.scheduled.cancel()
             else:
-                self._tag_along_with_zero_weight(self.scheduled)
+                tag_along(self.scheduled, self.config.averaging_timeout_s)
         self.tracker.shutdown(5)
         self.averager.shutdown()
 
     # -- the round
 
-    def _should_load_state_from_peers(self) -> bool:
+    def _should_catch_up(self) -> bool:
         # An overlapped round moves progress records to the next epoch when it starts: records one
         # epoch ahead of our global parameters are the swarm mid-round (ours to join), not a lost
         # round (if the swarm did finish it without us, ``_went_on_without_us`` finds out).
@@ -434,7 +430,7 @@ class DiLoCoOptimizer:
                     buffer.copy_(g).sub_(p.detach().to("cpu", torch.float32))  # pseudo-gradient
                 estimate = (outer_step_estimate(self.averager.optimizer, buffers) if self.config.overlap_outer_round
                             else None)
-            control = self._trigger(weight=self.samples_in_round)
+            control = self._start_round(weight=self.samples_in_round)
             if estimate is not None and control is not None:
                 # Inner steps go on from our own estimate of the outer step; when the round ends
                 # they are moved onto the real one (``_finish_round``), so no step is lost.
@@ -532,9 +528,7 @@ class DiLoCoOptimizer:
         if self._minority_base:
             # Our global parameters (the previous sync's result) were not the majority's:
             # that sync split the swarm and ours was not the canonical result.
-            with self._rounds_lock:
-                if self.rounds and self.rounds[-1]["epoch"] == epoch - 1:
-                    self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
+            self.rounds.mark(epoch - 1, diverged=True, healed=True)
         if not diverged:
             self._share_state()
         # A group smaller than the swarm: another group may have stepped from other pseudo-
@@ -542,22 +536,19 @@ class DiLoCoOptimizer:
         if not diverged and group_size < swarm_peers:
             self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
         seconds = round_.get("done_at", time.perf_counter()) - round_["t0"]
-        record = {"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers, "seconds": seconds,
-                  "overlapped": overlapped, "inner_steps_during": round_.get("inner_steps", 0),
-                  "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
-                  "aggregate_s": after["aggregate_s"] - before["aggregate_s"],
-                  "parts_dropped": after["parts_dropped"] - before["parts_dropped"],
-                  "params_sha": params_digest(self.global_params), "diverged": diverged,
-                  "weight": round_["weight"], "credited": credited,
-                  "round_weight": after["weight_averaged"] - before["weight_averaged"]}
-        with self._rounds_lock:
-            self.rounds.append(record)
+        self.rounds.append(RoundRecord(
+            epoch=epoch, group_size=group_size, swarm_peers=swarm_peers, seconds=seconds, overlapped=overlapped,
+            inner_steps_during=round_.get("inner_steps", 0), bytes_sent=after["bytes_sent"] - before["bytes_sent"],
+            aggregate_s=after["aggregate_s"] - before["aggregate_s"],
+            parts_dropped=after["parts_dropped"] - before["parts_dropped"],
+            params_sha=params_digest(self.global_params), diverged=diverged, weight=round_["weight"],
+            credited=credited, round_weight=after["weight_averaged"] - before["weight_averaged"]))
         self._last_round_end = time.monotonic()
         logger.log(self.status_loglevel, "outer step %d -> %d with %d/%d peers in %.2fs%s", epoch, new_epoch,
                    group_size, swarm_peers, seconds, " (overlapped with inner steps)" if overlapped else "")
         return diverged
 
-    def _trigger(self, weight: int):
+    def _start_round(self, weight: int):
         """Start this epoch's round with our weight; its control, or None (alone, or too few
         peers for the aggregation rule: nobody to wait for)."""
         control = self.scheduled
@@ -636,7 +627,7 @@ class DiLoCoOptimizer:
     def _offered_priorities(self) -> list[float]:
         """The state priorities peers offer now (``state_priority``: the epoch is the integer part)."""
         try:
-            found = self.averager.dht.get(f"{self.averager.prefix}.all_averagers", latest=True)
+            found = self.averager.dht.get(state_offers_key(self.averager.prefix), latest=True)
         except Exception as e:  # the DHT is busy: the round's own timeout still applies
             logger.debug("could not read the swarm's states: %r", e)
             return []
@@ -655,8 +646,7 @@ class DiLoCoOptimizer:
         return state_priority(self.local_epoch, self.averager.base_group, params_digest(self.global_params))
 
     def _share_state(self) -> None:
-        if not self.client_mode:
-            self.averager.state_sharing_priority = self._state_priority()
+        self.offer.offer(self._state_priority())
 
     def _heal_split(self) -> bool:
         """Where the swarm split into several groups at the last sync, every group stepped to the
@@ -674,24 +664,9 @@ class DiLoCoOptimizer:
             if any(int(p) > epoch for p in offers):
                 # The swarm stepped past this epoch before we compared notes: whether our group's
                 # result was the canonical one is unknown now (the next check downloads theirs).
-                with self._rounds_lock:
-                    if self.rounds and self.rounds[-1]["epoch"] + 1 == epoch:
-                        self.rounds[-1]["overtaken"] = True
+                self.rounds.mark(epoch - 1, overtaken=True)
             return False
         logger.warning("the swarm split into groups at epoch %d; taking the largest group's state", epoch)
-        with self._rounds_lock:
-            if self.rounds and self.rounds[-1]["epoch"] + 1 == epoch:
-                self.rounds[-1]["diverged"] = self.rounds[-1]["healed"] = True
+        self.rounds.mark(epoch - 1, diverged=True, healed=True)
         self.load_state_from_peers(lost_branch=True)
         return True
-
-    def _tag_along_with_zero_weight(self, control) -> None:
-        try:
-            if not control.triggered:
-                control.weight = 0
-                control.allow_allreduce()
-            control.result(self.config.averaging_timeout_s)
-        except BaseException as e:
-            logger.debug("a round this peer tagged along failed: %r", e)
-            if not control.done():
-                control.cancel()

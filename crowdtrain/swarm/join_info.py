@@ -14,16 +14,13 @@ Typical use, in ``crowdtrain.swarm.peer``::
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass
 
 from crowdtrain.model.config import ModelConfig
-from crowdtrain.swarm.config import SwarmConfig
+from crowdtrain.runspec.swarm import SwarmConfig
+from crowdtrain.runspec.typed import json_type, matches, typed_config
 
 # The least a peer holds per parameter: fp32 parameters and their gradients. The averagers, the
 # optimizer state and activations come on top, so a model over this bound cannot train here at all.
@@ -37,70 +34,13 @@ class CheckedJoinInfo:
     params: int  # parameters of the model this peer will build
 
 
-def _json_type(value) -> str:
-    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number" if isinstance(value, (int, float)) else type(value).__name__)
-
-
-def _matches(value, hint) -> bool:
-    """Whether a JSON value fits a dataclass field's type (the types our configs use)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if hint is str:
-        return isinstance(value, str)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            return False
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_matches(v, args[0]) for v in value)
-        return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args))
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    return True  # a type our configs do not use: left to the dataclass
-
-
-def _expected(hint) -> str:
-    if hint is float:
-        return "a finite number"
-    if hint is int:
-        return "an integer"
-    if hint is bool:
-        return "true or false"
-    if hint is str:
-        return "a string"
-    if typing.get_origin(hint) is tuple:
-        return "a list"
-    return str(hint)
-
-
-def typed_config(cls, values, field: str):
-    """``cls.from_dict(values)`` once every value has its field's JSON type; any error names ``field``."""
-    if not isinstance(values, dict):
-        raise ValueError(f"{field} must be an object, got a JSON {_json_type(values)}")
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in values and not _matches(values[f.name], hints[f.name]):
-            raise ValueError(f"{field}.{f.name} must be {_expected(hints[f.name])}, got {values[f.name]!r}"[:300])
-    try:
-        return cls.from_dict(values)
-    except ValueError as e:
-        raise ValueError(f"{field}: {e}") from e
-
-
 def _require(container: dict, key: str, kind: type, field: str = ""):
     name = f"{field}.{key}" if field else key
     if key not in container:
         raise ValueError(f"{name} is missing")
     value = container[key]
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ValueError(f"{name} must be a JSON {_json_type(kind())}, got a JSON {_json_type(value)}: {value!r}"[:300])
+        raise ValueError(f"{name} must be a JSON {json_type(kind())}, got a JSON {json_type(value)}: {value!r}"[:300])
     return value
 
 
@@ -184,7 +124,7 @@ def check_join_info(info, *, model_overrides: dict | None = None, source: str = 
 def _check(info, model_overrides: dict, source: str, ram_bytes: int | None,
            memory_name: str = "this machine") -> CheckedJoinInfo:
     if not isinstance(info, dict):
-        raise ValueError(f"expected a JSON object, got a JSON {_json_type(info)}: is {source} a crowdtrain "
+        raise ValueError(f"expected a JSON object, got a JSON {json_type(info)}: is {source} a crowdtrain "
                          "coordinator?")
     fingerprint = _require(info, "fingerprint", str)
     if not re.fullmatch(r"[0-9a-f]{1,128}", fingerprint):
@@ -201,26 +141,26 @@ def _check(info, model_overrides: dict, source: str, ram_bytes: int | None,
     tokenizer = info.get("text_tokenizer")
     if tokenizer is not None:
         if not isinstance(tokenizer, dict):
-            raise ValueError(f"text_tokenizer must be an object or null, got a JSON {_json_type(tokenizer)}")
+            raise ValueError(f"text_tokenizer must be an object or null, got a JSON {json_type(tokenizer)}")
         _check_url(_require(tokenizer, "url", str, "text_tokenizer"), "text_tokenizer.url")
         if not re.fullmatch(r"[0-9a-f]{64}", _require(tokenizer, "sha256", str, "text_tokenizer")):
             raise ValueError("text_tokenizer.sha256 must be 64 hex digits")
     initial = info.get("initial_model")
     if initial is not None:
         if not isinstance(initial, dict):
-            raise ValueError(f"initial_model must be an object or null, got a JSON {_json_type(initial)}")
+            raise ValueError(f"initial_model must be an object or null, got a JSON {json_type(initial)}")
         _require(initial, "seed", int, "initial_model")
         _require(initial, "digest", str, "initial_model")
     auth = info.get("auth")
     if auth is not None:
         if not isinstance(auth, dict):
-            raise ValueError(f"auth must be an object or null, got a JSON {_json_type(auth)}")
+            raise ValueError(f"auth must be an object or null, got a JSON {json_type(auth)}")
         if _require(auth, "mode", str, "auth") not in ("open", "allowlist"):
             raise ValueError(f"auth.mode must be open or allowlist, got {auth['mode']!r}"[:300])
         _require(auth, "coordinator_public_key", str, "auth")
         _check_url(_require(auth, "token_url", str, "auth"), "auth.token_url")
         lifetime = auth.get("token_lifetime_s")
-        if not _matches(lifetime, float) or not lifetime > 0:
+        if not matches(lifetime, float) or not lifetime > 0:
             raise ValueError(f"auth.token_lifetime_s must be a positive finite number, got {lifetime!r}"[:300])
     params = check_model_fits(model, ram_bytes, source, memory_name)
     return CheckedJoinInfo(swarm=swarm, model=model, params=params)

@@ -27,7 +27,7 @@ import re
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import hivemind
 import pydantic.v1 as pydantic

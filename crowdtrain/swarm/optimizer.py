@@ -10,7 +10,6 @@ joiner uses exactly the rate everyone else does.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from functools import partial
 
@@ -19,15 +18,16 @@ import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.optim.grad_averager import GradientAverager
 
-from crowdtrain.checkpoint import flatten_optimizer_state, unflatten_optimizer_state  # noqa: F401 (re-exported)
 from crowdtrain.optim import linear_warmup_decay, param_groups
-from crowdtrain.swarm.auth import AccessGuard, guarded
+from crowdtrain.swarm.auth import AccessGuard
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.compression import PaperCompression
-from crowdtrain.swarm.config import SwarmConfig
-from crowdtrain.swarm.robust import RobustOptimizerMixin, make_aggregator
+from crowdtrain.runspec.swarm import SwarmConfig
+from crowdtrain.swarm.hivemind_seam import check_hivemind_version
+from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam
+from crowdtrain.swarm.robust import make_aggregator
+from crowdtrain.swarm.rounds import RoundLog, RoundRecord, StateOffer, peers_behind, swarm_epoch_now, tag_along
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class StateUnavailable(RuntimeError):
     """No peer could serve the swarm's current state for a long time: the run is over or unreachable."""
 
 
-class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
+class SwarmOptimizer(OptimizerSeam):
     """hivemind.Optimizer that remembers how many peers each gradient-averaging round had, whose
     averagers aggregate with the run's rule (``crowdtrain.swarm.robust``) and refuse peers without a
     valid access token (when given an ``access_guard``).
@@ -112,16 +112,11 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
     def __init__(self, *args, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
                  signer: RSASignatureValidator | None = None, final_epoch: int | None = None,
                  state_uploads: dict | None = None, **kwargs):
-        self.access_guard = access_guard
-        self._state_uploads = state_uploads or {}  # read while hivemind builds the state averager
-        if access_guard is not None:
-            kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
-                                                      access_guard)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, access_guard=access_guard, state_uploads=state_uploads, **kwargs)
         self.give_up_s = give_up_s
         self._behind_since: float | None = None
-        self._rounds_lock = threading.Lock()
-        self.rounds: list[dict] = []  # {"epoch", "group_size", "swarm_peers"} per round
+        self.rounds = RoundLog()
+        self.offer = StateOffer(self.state_averager, client_mode=self.client_mode)
         self.signer = signer
         self._lost_round: int | None = None  # an epoch whose round went on without this peer
         self.final_epoch = final_epoch  # this peer leaves on reaching it (``join --max-epochs``)
@@ -152,7 +147,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             return True
         return tracker.global_progress.num_peers <= 1 or tracker.ready_to_update_epoch
 
-    def _update_global_epoch(self, grad_scaler) -> None:
+    def around_global_epoch_update(self, upstream) -> None:
         if not self._lone_step_confirmed():
             return
         # The step into our last epoch does not average state: we leave right after it and could
@@ -160,30 +155,30 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         # partial average of parameters (seen: a peer ending 0.03 away from the rest). The last
         # gradient round already gave every peer in it the same update.
         if not self._last_step_ahead():
-            super()._update_global_epoch(grad_scaler)
+            upstream()
         else:
             every, self.average_state_every = self.average_state_every, _NEVER
             try:
-                super()._update_global_epoch(grad_scaler)
+                upstream()
             finally:
                 self.average_state_every = every
         if self._lost_round is not None or self._partial_round is not None:
             self._demote_state()  # hivemind just offered our state at the new epoch
 
-    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+    def around_gradient_round_start(self, upstream) -> bool:
         weight = self.grad_averager.local_samples_accumulated
-        began = super()._begin_averaging_gradients(grad_scaler)
+        began = upstream()
         if not began and self.tracker.global_progress.num_peers <= 1:
             # Alone in the swarm: hivemind steps on our gradients, and that step is the swarm's.
             self.ledger.credit(epoch=self.local_epoch, samples=weight, group_size=1,
                                swarm_peers=self.tracker.global_progress.num_peers)
         return began
 
-    def _maybe_schedule_state_averaging(self) -> None:
+    def around_state_round_scheduling(self, upstream) -> None:
         if not self._last_step_ahead():
-            super()._maybe_schedule_state_averaging()
+            upstream()
 
-    def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+    def around_gradient_round(self, maybe_step_control, upstream) -> None:
         # With the delayed update this runs in the background, after the epoch was incremented.
         epoch = self.local_epoch - 1 if self.delay_grad_averaging else self.local_epoch
         swarm_peers = self.tracker.global_progress.num_peers
@@ -196,7 +191,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             maybe_step_control.cancel()
         missing_before = self._elements_missing()
         averaged_before = self._weight_averaged()
-        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        upstream()
         # A groupmate that failed mid-round never sent us its part of the average: we kept our own
         # gradients there, so our step differs from the group's (by up to one update in those
         # weights) until the next state round, or for good if we leave first.
@@ -225,25 +220,15 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         weight = maybe_step_control.weight if maybe_step_control is not None else 0.0
         credited = self.ledger.credit(epoch=epoch, samples=weight, group_size=group_size, swarm_peers=swarm_peers,
                                       discarded=self._lost_round == epoch)
-        with self._rounds_lock:
-            # Wall-clock times (comparable across peers on one machine): the round was triggered
-            # (this peer reached the target batch), its all-reduce began exchanging tensors, it ended.
-            self.rounds.append({"epoch": epoch, "group_size": group_size, "swarm_peers": swarm_peers,
-                                "triggered_unix": triggered_unix, "allreduce_unix": allreduce_unix,
-                                "done_unix": time.time(), "left_out": self._lost_round == epoch,
-                                "partial": partial, "weight": weight, "credited": credited,
-                                "round_weight": self._weight_averaged() - averaged_before})
+        self.rounds.append(RoundRecord(
+            epoch=epoch, group_size=group_size, swarm_peers=swarm_peers, triggered_unix=triggered_unix,
+            allreduce_unix=allreduce_unix, done_unix=time.time(), left_out=self._lost_round == epoch, partial=partial,
+            weight=weight, credited=credited, round_weight=self._weight_averaged() - averaged_before))
 
     def _demote_state(self) -> None:
         """Until we download the group's state: our parameters take (or took) a step the swarm did
-        not. Offered at our epoch they would tie with the group's, and the coordinator's
-        checkpointer, a newcomer or another left-out peer could take them (seen: a checkpoint and
-        a laggard took a left-out peer's diverged parameters); not offered at all, such peers
-        would take the coordinator's copy, epochs old when nobody else serves (seen: the demo's
-        loss rising after four downloads of it). Half an epoch lower ranks our state below every
-        peer that averaged in full and above any older state."""
-        if not self.client_mode:
-            self.state_averager.state_sharing_priority = self.local_epoch - 0.5
+        not (see :meth:`crowdtrain.swarm.rounds.StateOffer.demote`)."""
+        self.offer.demote(self.local_epoch)
 
     def _weight_averaged(self) -> float:
         stats = getattr(self.grad_averager, "wire_stats", None)
@@ -298,16 +283,16 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                     return
             if now >= deadline:
                 self._partial_round = None
-                if not self.client_mode and self._lost_round is None:
-                    self.state_averager.state_sharing_priority = self.local_epoch
+                if self._lost_round is None:
+                    self.offer.offer(self.local_epoch)
                 return
             if not wait:
                 return
             time.sleep(0.5)
 
-    def _should_load_state_from_peers(self) -> bool:
+    def should_catch_up(self, upstream) -> bool:
         self._resolve_partial_round(wait=False)
-        return self._lost_round is not None or super()._should_load_state_from_peers()
+        return self._lost_round is not None or upstream()
 
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind's catch-up, bounded and without its second download (see below). hivemind
@@ -323,13 +308,12 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                 # blocks here until that round ends, maybe an epoch away (seen: 25 s).
                 control.cancel()
             else:
-                self._tag_along_with_zero_weight(control)  # as hivemind: do not stall the group
+                tag_along(control, self.averaging_timeout)  # do not stall the group
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         lost, self._lost_round = self._lost_round, None
-        if lost is not None and not self.client_mode:
-            # Not while we download: another peer left out of the same round would take ours.
-            self.state_averager.allow_state_sharing = False
+        if lost is not None:
+            self.offer.withdraw()
         started = time.monotonic()
         with self.tracker.pause_updates():
             while True:
@@ -359,7 +343,7 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
                 self._lost_round = lost  # still holding the step the swarm did not take: again next step
             if self.local_epoch < global_epoch - 1 or (not got_state and self.local_epoch < global_epoch):
                 # The newest state served is still behind, or nobody served one (its donors were
-                # busy, crowdtrain.swarm.state.StateUploadLimit): ask again at the next step, a
+                # busy, crowdtrain.swarm.hivemind_seam.state.StateUploadLimit): ask again at the next step, a
                 # moment from now.
                 time.sleep(1.0)
                 if self._behind_since is None:
@@ -371,19 +355,16 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             else:
                 self._behind_since = None
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
-            if not self.client_mode:
-                self.state_averager.allow_state_sharing = True
-                self.state_averager.state_sharing_priority = self.local_epoch
-                if self._lost_round is not None:
-                    self._demote_state()
+            self.offer.offer(self.local_epoch)
+            if self._lost_round is not None:
+                self._demote_state()
             if self.use_gradient_averaging:
                 self.grad_averager.reset_accumulated_grads_()
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
 
-    def last_round(self) -> dict | None:
-        with self._rounds_lock:
-            return self.rounds[-1] if self.rounds else None
+    def last_round(self) -> RoundRecord | None:
+        return self.rounds.last()
 
     def finish_pending_updates(self) -> None:
         """Before leaving: apply the delayed optimizer step, if one is running in the background.
@@ -400,8 +381,8 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
         if self._lost_round is not None:  # our last step went without the swarm: end on theirs
             self.load_state_from_peers()
         last = self.last_round()
-        if last is not None and last["group_size"] >= 2 and last["group_size"] < last["swarm_peers"]:
-            self._serve_laggards(missed=last["swarm_peers"] - last["group_size"])
+        if last is not None and 2 <= last.group_size < last.swarm_peers:
+            self._serve_laggards(missed=last.swarm_peers - last.group_size)
 
     def _serve_laggards(self, *, missed: int) -> None:
         """Stay at least two matchmaking windows, and until no other peer reports an epoch behind
@@ -425,53 +406,6 @@ class SwarmOptimizer(RobustOptimizerMixin, hivemind.Optimizer):
             logger.info("leaving with %d peer(s) still behind epoch %d", len(behind), self.local_epoch)
 
 
-def progress_records(tracker) -> list[dict] | None:
-    """Every peer's progress record (hivemind's ProgressTracker) read from the DHT now, malformed
-    ones left out; None if the DHT does not answer. A peer that left cleanly has erased its own."""
-    try:
-        found = tracker.dht.get(tracker.training_progress_key, latest=True)
-    except Exception as e:  # the DHT is busy
-        logger.debug("could not read the swarm's progress: %r", e)
-        return None
-    entries = found.value if found is not None and isinstance(found.value, dict) else {}
-    return [v.value for v in entries.values()
-            if isinstance(getattr(v, "value", None), dict) and isinstance(v.value.get("epoch"), int)]
-
-
-def swarm_epoch_now(tracker) -> int:
-    """The newest epoch any peer reports, read from the DHT now: a paused ProgressTracker's view is
-    frozen (during a round or a state download). Falls back to the tracker's view."""
-    records = progress_records(tracker) or []
-    return max([tracker.global_epoch, *(r["epoch"] for r in records)])
-
-
-def peers_behind(tracker, epoch: int, *, exclude: bytes = b"") -> list[bytes]:
-    """Peers whose progress record reports an epoch below ``epoch`` (empty if the DHT does not answer)."""
-    return [r.get("peer_id", b"") for r in progress_records(tracker) or []
-            if r["epoch"] < epoch and r.get("peer_id", b"") != exclude]
-
-
-def swarm_at_start(tracker, state_averager) -> bool:
-    """True only if the DHT answers that no peer reports an epoch past 0 and no state of a later
-    epoch is on offer (the coordinator's auxiliary peer offers the last checkpoint's); False when
-    in doubt (the DHT does not answer)."""
-    try:
-        progress = tracker.dht.get(tracker.training_progress_key, latest=True)
-        offers = state_averager.dht.get(f"{state_averager.prefix}.all_averagers", latest=True)
-    except Exception as e:
-        logger.debug("could not read the swarm's progress: %r", e)
-        return False
-    epochs = [tracker.global_epoch]
-    for found, read in ((progress, lambda v: v["epoch"]), (offers, lambda v: int(float(v)))):
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        for entry in entries.values():
-            try:
-                epochs.append(int(read(entry.value)))
-            except (KeyError, TypeError, ValueError):
-                continue
-    return max(epochs) == 0
-
-
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
                     client_mode: bool = False, auxiliary: bool = False, verbose: bool = False, attack=None,
                     access_guard: AccessGuard | None = None, signer: RSASignatureValidator | None = None,
@@ -482,8 +416,9 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
     (this peer's, from ``crowdtrain.swarm.metrics.make_validators``) signs its round records.
     ``final_epoch``: the epoch at which this peer will leave (sync mode skips the state round there;
     DiLoCo mode starts no round past it). ``upload_delay_s`` (tests only): hold each state this
-    peer sends (``crowdtrain.swarm.state.StateUploadLimit``).
+    peer sends (``crowdtrain.swarm.hivemind_seam.state.StateUploadLimit``).
     """
+    check_hivemind_version()
     uploads = {"max_state_uploads": config.max_state_uploads, "upload_delay_s": upload_delay_s}
     if config.mode == "diloco":
         from crowdtrain.swarm.diloco import DiLoCoOptimizer

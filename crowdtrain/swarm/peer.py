@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from crowdtrain.swarm.rounds import RoundRecord
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +49,7 @@ class VolunteerConfig:
     model_overrides: dict = field(default_factory=dict)  # only to test refusal of a different model
     # Fault injection for tests: "nan-every=K" makes every K-th local loss NaN (its gradients too);
     # "attack=NAME" sends crafted tensors in every averaging round (crowdtrain.swarm.attacks);
-    # "slow-upload=S" holds every state this peer sends S seconds (crowdtrain.swarm.state.StateUploadLimit).
+    # "slow-upload=S" holds every state this peer sends S seconds (crowdtrain.swarm.hivemind_seam.state.StateUploadLimit).
     fault: str | None = None
     torch_threads: int | None = None
     # How long the run's data source (the coordinator's shards) may stay unreachable before this
@@ -191,8 +193,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     from crowdtrain.swarm import metrics as swarm_metrics
     from crowdtrain.swarm.attacks import attack_from_fault, upload_delay_from_fault
     from crowdtrain.swarm.join_info import check_join_info
-    from crowdtrain.swarm.optimizer import (StateUnavailable, all_finite, build_optimizer, swarm_at_start,
-                                            swarm_epoch_now)
+    from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
+    from crowdtrain.swarm.rounds import swarm_at_start, swarm_epoch_now
     from crowdtrain.noise import drop_exit_noise
     from crowdtrain.swarm.reconnect import BootstrapWatch
     from crowdtrain.train.local import autocast_context
@@ -278,7 +280,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         else:
             optimizer.load_state_from_peers()
             # The donors of the newest state may all be busy serving other newcomers (they send a
-            # few states at a time, crowdtrain.swarm.state.StateUploadLimit): wait for a free one.
+            # few states at a time, crowdtrain.swarm.hivemind_seam.state.StateUploadLimit): wait for a free one.
             give_up = time.monotonic() + swarm.load_state_give_up_s
             while ((state_keeper.states_loaded.value == 0
                     or optimizer.local_epoch < swarm_epoch_now(optimizer.tracker) - 1)
@@ -320,7 +322,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         logger.info("credited on the leaderboard: %d samples in %d global steps (samples of rounds the swarm "
                     "finished without this peer are not)", optimizer.ledger.samples, optimizer.ledger.steps)
         summary["bootstrap_reconnects"] = bootstrap_watch.reconnects
-        summary["rounds"] = list(optimizer.rounds)
+        summary["rounds"] = optimizer.rounds.to_dicts()
         summary["averaging"] = optimizer.averaging_stats()
         summary["state_uploads"] = (getattr(optimizer, "state_averager", None) or optimizer.averager).upload_stats()
         summary["final_epoch"] = optimizer.local_epoch
@@ -490,23 +492,23 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
             summary["first_epoch_unix"] = time.time()
         now = time.perf_counter()
         rate = contributed / max(now - start, 1e-9)
-        last_round = optimizer.last_round() or {"group_size": 0, "swarm_peers": 0}
+        last_round = optimizer.last_round() or RoundRecord(epoch=0, group_size=0, swarm_peers=0)
         # One line (and one metrics record) per new epoch or every 5 s, not per step: a small
         # model steps several times a second.
         if optimizer.local_epoch != epoch_seen or now - last_report > 5:
             window = losses[-20:]
             mean_loss = sum(window) / len(window)
             logger.info("epoch %d | loss %.4f | %.1f samples/s | contributed %d | peers in last round %d/%d",
-                        optimizer.local_epoch, mean_loss, rate, contributed, last_round["group_size"],
-                        last_round["swarm_peers"])
+                        optimizer.local_epoch, mean_loss, rate, contributed, last_round.group_size,
+                        last_round.swarm_peers)
             if optimizer.local_epoch != epoch_seen:
                 summary["epochs"].append({"epoch": optimizer.local_epoch, "loss": mean_loss, "samples": contributed,
                                           "time": now - start, "unix": time.time(), "compute_s": computed,
                                           "wait_s": waited})
             record = dict(peer_id=summary["peer_id"], epoch=optimizer.local_epoch, samples=contributed,
                           samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
-                          client_mode=config.client_mode, last_round_peers=int(last_round["group_size"]),
-                          swarm_peers=int(last_round["swarm_peers"]), fingerprint=summary["fingerprint"],
+                          client_mode=config.client_mode, last_round_peers=int(last_round.group_size),
+                          swarm_peers=int(last_round.swarm_peers), fingerprint=summary["fingerprint"],
                           user=summary["user"], maddrs=summary["maddrs"], **endorsement,
                           **optimizer.ledger.record_fields())
             swarm_metrics.publish(dht, swarm.run_id, signer, swarm_metrics.PeerMetrics(**record))

@@ -20,6 +20,8 @@ import threading
 
 from hivemind.p2p import PeerID
 
+from crowdtrain.swarm.hivemind_seam.p2p import dial
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,7 +51,7 @@ async def _ping_missing(dht, node, peers: dict[str, list[str]]) -> list[str]:
             try:
                 # The daemon takes transport addresses: without the trailing /p2p/ID.
                 transports = [Multiaddr(m.rpartition("/p2p/")[0]) for m in maddrs]
-                await node.protocol.p2p._client.connect(peer_id, transports)
+                await dial(node.protocol.p2p, peer_id, transports)
             except Exception as e:  # still down
                 logger.debug("cannot dial %s: %r", text, e)
                 continue

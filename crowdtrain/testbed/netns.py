@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from crowdtrain import launch
 from crowdtrain.lifecycle import die_with_parent, raise_system_exit
 from crowdtrain.testbed.links import LinkSpec, tbf_args
 
@@ -148,7 +149,7 @@ class Testbed:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             for proc in self.procs:
-                stop_process(proc, signal.SIGTERM, 10)
+                launch.stop(proc, signal.SIGTERM, 10)
             self.procs.clear()
             for name in reversed(self._made):
                 remove_namespace(name)
@@ -181,23 +182,6 @@ class Testbed:
 
     def run(self, node: str, argv: list[str], *, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run(self.exec_argv(node, argv), capture_output=True, text=True, timeout=timeout)
-
-
-def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> int | None:
-    """Signal a process group, then SIGKILL it if it has not exited within ``timeout``."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-    return proc.returncode
 
 
 def namespace_pids(name: str) -> list[int]:

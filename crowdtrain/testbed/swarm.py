@@ -27,8 +27,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from crowdtrain import launch
+from crowdtrain.runspec import files
 from crowdtrain.testbed.links import LinkSpec
-from crowdtrain.testbed.netns import Testbed, stop_process
+from crowdtrain.testbed.netns import Testbed
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +94,6 @@ class RunPlan:
                 "model": self.model, "swarm": self.swarm_settings(), "queue_ms": self.queue_ms}
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "crowdtrain.cli", *args]
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -112,7 +110,7 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
     for stale in ("counters.jsonl",):
         (out_dir / stale).unlink(missing_ok=True)
     links = {"coord": plan.coordinator_link, **{p.name: p.link for p in plan.peers}}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = launch.child_env()
     events: list[dict] = []
     with Testbed(links, queue_ms=plan.queue_ms) as tb:
         coord = tb.nodes["coord"]
@@ -120,31 +118,24 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
         run_dir = out_dir / "run"
         tb.spawn("hub", [sys.executable, "-m", "crowdtrain.testbed.counters", str(out_dir / "counters.jsonl"), "0.2"],
                  env=env, log=out_dir / "logs" / "counters.log")
-        args = ["coordinator", "--run-id", "testbed", "--preset", plan.preset, "--data", "synthetic",
-                "--host", coord.address, "--port", str(HTTP_PORT), "--public-host", coord.address,
-                "--dht-host", coord.address, "--dht-port", str(DHT_PORT), "--run-dir", str(run_dir),
-                "--swarm-preset", "demo"]
-        for k, v in plan.swarm_settings().items():
-            args += ["--swarm", f"{k}={json.dumps(v)}"]
-        for k, v in plan.model.items():
-            args += ["--model", f"{k}={json.dumps(v)}"]
+        args = launch.coordinator_args(run_id="testbed", preset=plan.preset, data="synthetic", host=coord.address,
+                                       port=HTTP_PORT, public_host=coord.address, dht_port=DHT_PORT,
+                                       run_dir=run_dir, swarm=plan.swarm_settings(), model=plan.model)
         # A stale run folder would resume an old checkpoint and old metrics.
         if run_dir.exists():
             import shutil
 
             shutil.rmtree(run_dir)
-        coordinator = tb.spawn("coord", _cli(*args), env=env, log=out_dir / "logs" / "coordinator.log")
-        _wait_for(lambda: (run_dir / "run.json").is_file(), plan.startup_timeout_s,
+        coordinator = tb.spawn("coord", launch.cli(*args), env=env, log=out_dir / "logs" / "coordinator.log")
+        launch.wait_until(lambda: (run_dir / files.RUN_INFO).is_file(), plan.startup_timeout_s,
                   lambda: coordinator.poll() is not None, f"the coordinator did not start; see {out_dir}/logs")
         procs = {}
 
         def join(peer: PeerPlan):
             node = tb.nodes[peer.name]
-            procs[peer.name] = tb.spawn(peer.name, _cli(
-                "join", url, "--batch-size", str(peer.batch_size), "--simulated-step-s", str(peer.step_s),
-                "--host", node.address, "--threads", "1", "--user", peer.name,
-                "--summary-file", str(out_dir / f"{peer.name}.json")),
-                env=env, log=out_dir / "logs" / f"{peer.name}.log")
+            procs[peer.name] = tb.spawn(peer.name, launch.cli(*launch.join_args(
+                url, user=peer.name, batch_size=peer.batch_size, host=node.address, simulated_step_s=peer.step_s,
+                summary_file=out_dir / f"{peer.name}.json")), env=env, log=out_dir / "logs" / f"{peer.name}.log")
             events.append({"event": "join", "peer": peer.name, "unix": time.time()})
             logger.info("%s joined (%s, batch %d, %.1f s/step)", peer.name, peer.link, peer.batch_size, peer.step_s)
 
@@ -153,10 +144,10 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
             join(peer)
 
         def all_reporting() -> bool:
-            status = _read_json(run_dir / "status.json") or {}
-            return {p.name for p in initial} <= {r["user"] for r in status.get("peers", [])}
+            status, _ = files.read_status(run_dir)
+            return {p.name for p in initial} <= {r.get("user") for r in status.peers}
 
-        _wait_for(all_reporting, plan.startup_timeout_s,
+        launch.wait_until(all_reporting, plan.startup_timeout_s,
                   lambda: any(procs[p.name].poll() is not None for p in initial) or coordinator.poll() is not None,
                   f"the peers did not all start training; see {out_dir}/logs")
         t0 = time.time()
@@ -172,16 +163,16 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
                 if what == "join":
                     join(peer)
                 else:
-                    stop_process(procs[peer.name], signal.SIGKILL, 10)
+                    launch.stop(procs[peer.name], signal.SIGKILL, 10)
                     events.append({"event": "kill", "peer": peer.name, "unix": time.time()})
                     logger.info("killed %s (SIGKILL)", peer.name)
-            status = _read_json(run_dir / "status.json") or {}
-            if plan.epochs is not None and status.get("epoch", 0) >= plan.epochs:
+            status, _ = files.read_status(run_dir)
+            if plan.epochs is not None and status.epoch >= plan.epochs:
                 break
             if now - last_print >= 30:
                 last_print = now
-                logger.info("t=%4.0fs epoch %d, %d peers reporting, %.2f samples/s", now, status.get("epoch", 0),
-                            len(status.get("peers", [])), status.get("samples_per_second", 0.0))
+                logger.info("t=%4.0fs epoch %d, %d peers reporting, %.2f samples/s", now, status.epoch,
+                            len(status.peers), status.samples_per_second)
             if coordinator.poll() is not None:
                 raise RuntimeError(f"the coordinator exited; see {out_dir}/logs/coordinator.log")
             time.sleep(1.0)
@@ -198,14 +189,14 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:  # a second SIGINT would make it quit without its summary
-                stop_process(proc, signal.SIGKILL, 10)
-        stop_process(coordinator, signal.SIGTERM, 60)
+                launch.stop(proc, signal.SIGKILL, 10)
+        launch.stop(coordinator, signal.SIGTERM, 60)
 
     from crowdtrain.testbed.counters import load
 
     result = {"plan": plan.to_dict(), "events": events, "t0": t0,
               "peers": {p.name: _read_json(out_dir / f"{p.name}.json") for p in plan.peers},
-              "metrics": _load_jsonl(run_dir / "metrics.jsonl"),
+              "metrics": files.read_metrics(run_dir / files.METRICS)[0],
               "counters": load(out_dir / "counters.jsonl")}
     missing = [name for name, s in result["peers"].items() if s is None
                and not any(e["event"] == "kill" and e.get("peer") == name for e in events)]
@@ -213,17 +204,3 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
         logger.warning("no summary from %s; see their logs in %s", ", ".join(missing), out_dir / "logs")
     (out_dir / "run.json").write_text(json.dumps(result))
     return result
-
-
-def _load_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait_for(condition, timeout_s: float, failed, message: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if failed() or time.monotonic() > deadline:
-            raise RuntimeError(message)
-        time.sleep(0.5)

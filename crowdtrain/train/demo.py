@@ -17,10 +17,9 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-from crowdtrain.lifecycle import die_with_parent
+from crowdtrain import launch
 
 logger = logging.getLogger(__name__)
 
@@ -36,31 +35,6 @@ def _open_in_browser(url: str) -> None:
         try:
             webbrowser.open(url)
         except webbrowser.Error:
-            pass
-
-
-def _get(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    # Its own session (Ctrl-C reaches the demo alone, which stops each cleanly), and it ends with
-    # the demo however the demo ends (a second Ctrl-C, a kill).
-    return subprocess.Popen([sys.executable, "-m", "crowdtrain.cli", *args], stdout=open(log_path, "ab"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent)
-
-
-def _stop(proc: subprocess.Popen, sig: int, timeout: float) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
             pass
 
 
@@ -93,34 +67,22 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
                                               preset=preset, model_overrides=model_overrides or {},
                                               resumed_epoch=_resumed_epoch(out)))
     url = f"http://127.0.0.1:{port}"
-    coordinator = _spawn(["coordinator", "--run-id", "demo", "--preset", preset, "--data", data, "--host", "127.0.0.1",
-                          "--port", str(port), "--dht-host", "127.0.0.1", "--dht-port", str(dht_port),
-                          "--run-dir", str(out / "run"), "--swarm-preset", swarm_preset,
-                          *[a for k, v in (swarm_overrides or {}).items() for a in ("--swarm", f"{k}={json.dumps(v)}")],
-                          *[a for k, v in (model_overrides or {}).items() for a in ("--model", f"{k}={json.dumps(v)}")],
-                          "--samples-every", "5", *coordinator_args], out / "logs" / "coordinator.log")
+    coordinator = launch.spawn(launch.cli(*launch.coordinator_args(
+        run_id="demo", preset=preset, data=data, host="127.0.0.1", port=port, dht_port=dht_port, run_dir=out / "run",
+        swarm_preset=swarm_preset, swarm=swarm_overrides, model=model_overrides,
+        extra=["--samples-every", "5", *coordinator_args])), out / "logs" / "coordinator.log")
     volunteers: dict[str, subprocess.Popen] = {}
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                _get(f"{url}/api/join")
-                break
-            except OSError:
-                if coordinator.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the coordinator did not start; see {out / 'logs' / 'coordinator.log'}")
-                time.sleep(0.5)
+        launch.wait_for_coordinator(url, coordinator, 180, out / "logs" / "coordinator.log")
         print(f"\ncoordinator up at {url}\n\n    dashboard: {url}/dashboard   (leaderboard, peers, checkpoints, "
               f"samples; API docs at {url}/docs)\n")
         _open_in_browser(f"{url}/dashboard")
         for i in range(peers):
             batch, step_s = PEER_KINDS[i % len(PEER_KINDS)]
             name = f"peer{i + 1}"
-            volunteers[name] = _spawn(["join", url, "--batch-size", str(batch), "--simulated-step-s", str(step_s),
-                                       "--host", "127.0.0.1", "--threads", "1", "--user", name,
-                                       "--summary-file", str(out / f"{name}.json"),
-                                       *(["--max-epochs", str(max_epochs)] if max_epochs else [])],
-                                      out / "logs" / f"{name}.log")
+            volunteers[name] = launch.spawn(launch.cli(*launch.join_args(
+                url, user=name, batch_size=batch, host="127.0.0.1", max_epochs=max_epochs, simulated_step_s=step_s,
+                summary_file=out / f"{name}.json")), out / "logs" / f"{name}.log")
             print(f"  {name}: batch {batch}" + (f", a slow device ({step_s:.1f} s/step)" if step_s else ""))
         print(f"training for {minutes:g} minutes; logs in {out / 'logs'}\n")
         end = time.monotonic() + 60 * minutes
@@ -131,7 +93,7 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
                     break  # every volunteer reached --max-epochs
                 raise RuntimeError(f"every volunteer exited early; see the logs in {out / 'logs'}")
             try:
-                status = _get(f"{url}/api/status")
+                status = launch.get_json(f"{url}/api/status")
             except OSError:
                 continue
             live = status.get("peers", [])
@@ -140,8 +102,8 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
                   f"{status.get('samples_per_second', 0):6.1f} samples/s | mean loss {loss:.4f}", flush=True)
     finally:
         for proc in volunteers.values():  # leave cleanly, like Ctrl-C
-            _stop(proc, signal.SIGINT, 90)
-        _stop(coordinator, signal.SIGTERM, 60)
+            launch.stop(proc, signal.SIGINT, 90)
+        launch.stop(coordinator, signal.SIGTERM, 60)
 
     summary = summarize(out, list(volunteers))
     summary["url"] = url

@@ -79,7 +79,7 @@ def autocast_context(device: torch.device, precision: str):
 def make_optimizer(model: torch.nn.Module, config: LocalTrainConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, config.weight_decay)
     if config.optimizer == "lamb8bit":
-        from crowdtrain.swarm.config import SwarmConfig
+        from crowdtrain.runspec.swarm import SwarmConfig
         from crowdtrain.swarm.optimizer import make_lamb
 
         return make_lamb(groups, SwarmConfig(lr=config.lr, weight_decay=config.weight_decay,

@@ -99,3 +99,23 @@ def _checkpoint_text_tokenizer(checkpoint):
 
     path = Path(checkpoint) / "text_tokenizer.json"
     return load_text_tokenizer(path) if path.is_file() else default_text_tokenizer()
+
+
+def pattern_loss(weights_path: str | Path | None = None, *, preset: str = "tiny") -> float:
+    """Loss of ``preset`` on one fixed held-out batch (128 rows) of the learnable ``pattern`` data:
+    of the weights saved at ``weights_path`` (``join --save-final``), or of the model initialised
+    from seed 0 when None. What the swarm tests and benchmarks compare peers' final weights by."""
+    from safetensors.torch import load_file
+
+    from crowdtrain.model import DalleTransformer, get_preset
+    from crowdtrain.train.task import DalleTask
+
+    config = get_preset(preset)
+    if weights_path is None:
+        torch.manual_seed(0)
+    batch = next(DalleTask(config, data="pattern").batches(batch_size=128, seed_key="held-out eval"))
+    model = DalleTransformer(config)
+    if weights_path is not None:
+        model.load_state_dict(load_file(str(weights_path)))
+    with torch.no_grad():
+        return model.eval()(**batch).loss.item()

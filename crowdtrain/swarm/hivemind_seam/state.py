@@ -47,6 +47,20 @@ logger = logging.getLogger(__name__)
 DOWNLOADED_FROM = re.compile(r"Finished downloading state in ([0-9.]+)s from (\S+)")
 
 
+def state_offers_key(prefix: str) -> str:
+    """The DHT key under which hivemind's averagers of ``prefix`` offer their state: a dict of
+    peer ID -> state sharing priority (``DecentralizedAverager._declare_for_download_periodically``)."""
+    return f"{prefix}.all_averagers"
+
+
+def set_state_epoch(averager, epoch: int) -> None:
+    """Label a state keeper's state (one that never steps: the coordinator's auxiliary peer) as
+    epoch ``epoch``, and move its learning-rate scheduler there, as hivemind does after a download."""
+    averager.local_epoch = epoch
+    if isinstance(averager, TrainingStateAverager):  # DiLoCo's state keeper has a constant outer rate
+        averager._update_scheduler()
+
+
 class StateUploadLimit:
     """A hivemind averager that sends at most ``max_state_uploads`` states at a time. Asked for
     one more, it answers with an empty stream, which hivemind's downloader takes as "this peer does
@@ -99,7 +113,7 @@ class StateUploadLimit:
             timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         try:
             key_manager = self._matchmaking.group_key_manager
-            found, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
+            found, _ = self.dht.get(state_offers_key(key_manager.prefix), latest=True) or ({}, None)
             priority = {PeerID(peer_id): (float(info.value), random.random())  # ties broken at random
                         for peer_id, info in (found.items() if isinstance(found, dict) else ())
                         if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))

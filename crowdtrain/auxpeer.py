@@ -1,6 +1,9 @@
 """The coordinator's auxiliary peer: first DHT peer, metrics collector, state keeper, checkpointer.
 
-Runs as a child process of ``crowdtrain coordinator`` (the web side never imports torch). It
+Runs as a child process of ``crowdtrain coordinator`` (the web side never imports torch). It is
+the one module that joins both sides: a swarm peer (``crowdtrain.swarm``) that records what it
+sees in the coordinator's database (``crowdtrain.coordinator.db``) and run folder (the files of
+``crowdtrain.runspec.files``). It
 
 1. starts the run's first DHT peer on a fixed port with a persistent identity, so volunteers
    and a restarted coordinator find each other at the same address;
@@ -12,7 +15,7 @@ Runs as a child process of ``crowdtrain coordinator`` (the web side never import
 5. serves that state to newcomers when no trainer is around, e.g. after everyone left, and on
    start resumes from the latest checkpoint.
 
-    python -m crowdtrain.coordinator.aux_peer RUN_DIR
+    python -m crowdtrain.auxpeer RUN_DIR
 """
 
 from __future__ import annotations
@@ -31,21 +34,23 @@ from pathlib import Path
 import hivemind
 import torch
 
-from crowdtrain.checkpoint import (checkpoint_name, latest_checkpoint, load_optimizer_state, prune_checkpoints,
-                                   save_checkpoint)
+from crowdtrain.checkpoint import (checkpoint_name, flatten_optimizer_state, latest_checkpoint, load_optimizer_state,
+                                   prune_checkpoints, save_checkpoint, unflatten_optimizer_state)
 from crowdtrain.coordinator.db import Store
 from crowdtrain.lifecycle import forks_die_with_this_process
 from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, ModelConfig
 from crowdtrain.model.info import architecture_fingerprint
 from crowdtrain.optim import param_groups
+from crowdtrain.runspec import files
+from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.runspec.tokens import CoordinatorKey
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.auth import (AccessGuard, LocalTokenSource, SwarmAuthorizer, TokenKeeper, guarded,
                                    load_identity, refresh_margin_s, refresh_retry_max_s)
 from crowdtrain.swarm.compression import PaperCompression
-from crowdtrain.swarm.config import SwarmConfig
-from crowdtrain.swarm.optimizer import flatten_optimizer_state, make_lamb, make_scheduler, unflatten_optimizer_state
-from crowdtrain.swarm.state import ConsistentStateAverager
+from crowdtrain.swarm.hivemind_seam import check_hivemind_version
+from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager, set_state_epoch
+from crowdtrain.swarm.optimizer import make_lamb, make_scheduler
 from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 
 logger = logging.getLogger(__name__)
@@ -60,14 +65,9 @@ def _is_ipv4(host: str) -> bool:
         return False
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
-
-
 class AuxPeer:
     def __init__(self, run_dir: Path):
+        check_hivemind_version()
         self.run_dir = run_dir
         spec = json.loads((run_dir / "coordinator.json").read_text())
         self.spec = spec
@@ -91,7 +91,9 @@ class AuxPeer:
                                      retry_max_s=refresh_retry_max_s(lifetime))
         self.guard = AccessGuard(run_id=self.swarm.run_id, coordinator_public_key=coordinator_key)
         # After a restart, rejoin the swarm through the peers seen last time; alone otherwise.
-        known = json.loads((run_dir / "known_peers.json").read_text()) if (run_dir / "known_peers.json").is_file() else {}
+        known, problem = files.read_known_peers(run_dir)
+        if problem:
+            logger.warning("%s", problem)
         initial_peers = [m for maddrs in known.values() for m in maddrs]
         self.dht = self._start_dht(spec, validators, initial_peers, authorizer)
         self.keeper = TokenKeeper(self.dht, self.swarm.run_id, self.signer, self.token_source,
@@ -108,7 +110,7 @@ class AuxPeer:
             self.averager = guarded(DiLoCoAverager, self.guard).for_model(self.dht, self.model, self.swarm)
         else:
             # A copy of the state for each download, so a checkpoint's download into our tensors
-            # never tears a newcomer's (see crowdtrain.swarm.state).
+            # never tears a newcomer's (see crowdtrain.swarm.hivemind_seam.state).
             self.averager = guarded(ConsistentStateAverager, self.guard)(
                 dht=self.dht, prefix=f"{self.swarm.run_id}_state_averager",
                 optimizer=partial(make_lamb, config=self.swarm), scheduler=partial(make_scheduler, config=self.swarm),
@@ -158,27 +160,22 @@ class AuxPeer:
             tensors, meta = loaded
             self.averager.optimizer.load_state_dict(unflatten_optimizer_state(tensors, meta))
         epoch = int(json.loads((path / "config.json").read_text())["step"])
-        self.averager.local_epoch = epoch
-        self.averager._update_scheduler()
+        set_state_epoch(self.averager, epoch)
         self.averager.state_sharing_priority = epoch
         logger.info("resumed from %s at epoch %d", path, epoch)
         return epoch
 
     def announce(self) -> None:
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]  # fixed host and port: no refresh needed
-        join = {
-            "run_id": self.swarm.run_id,
-            "fingerprint": architecture_fingerprint(self.model_config),
-            "swarm": self.swarm.to_dict(),
-            "task": self.spec["task"],
-            "initial_peers": maddrs,
-            "text_tokenizer": self.spec.get("text_tokenizer"),  # /api/join drops its local path
-            "coordinator_peer_id": str(self.dht.peer_id),
-            "auth": {k: self.auth[k] for k in ("mode", "coordinator_public_key", "token_url", "token_lifetime_s")},
-        }
-        if self.last_checkpoint_epoch == 0:  # a run that resumed from a checkpoint has moved on
-            join["initial_model"] = {"seed": self.seed, "digest": self.initial_digest}
-        write_json_atomic(self.run_dir / "run.json", join)
+        join = files.RunInfo(
+            run_id=self.swarm.run_id, fingerprint=architecture_fingerprint(self.model_config),
+            swarm=self.swarm.to_dict(), task=self.spec["task"], initial_peers=maddrs,
+            text_tokenizer=self.spec.get("text_tokenizer"),  # /api/join drops its local path
+            coordinator_peer_id=str(self.dht.peer_id),
+            auth={k: self.auth[k] for k in ("mode", "coordinator_public_key", "token_url", "token_lifetime_s")},
+            # A run that resumed from a checkpoint has moved on from the initial model.
+            initial_model={"seed": self.seed, "digest": self.initial_digest} if self.last_checkpoint_epoch == 0 else None)
+        files.write_json_atomic(self.run_dir / files.RUN_INFO, join.to_dict())
         logger.info("DHT up at %s", maddrs)
 
     def _log_once(self, kind, message: str, *args, exc_info=None) -> None:
@@ -212,10 +209,8 @@ class AuxPeer:
         records = self.screen(swarm_metrics.fetch(self.dht, self.swarm.run_id))
         fresh = [r for r in records if self.seen.get(r.peer_id) != r.time]
         if fresh:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                for r in fresh:
-                    f.write(json.dumps(r.dict()) + "\n")
-                    self.seen[r.peer_id] = r.time
+            files.append_metrics(self.run_dir, [r.dict() for r in fresh])
+            self.seen.update({r.peer_id: r.time for r in fresh})
             try:
                 self.store.record_metrics([r.dict() for r in fresh])
             except Exception:  # one at a time, so a record the database refuses cannot block the rest
@@ -227,7 +222,7 @@ class AuxPeer:
         live = [r for r in records if time.time() - r.time < 60]
         reachable = {r.peer_id: r.maddrs for r in live if r.maddrs}
         if reachable:
-            write_json_atomic(self.run_dir / "known_peers.json", reachable)
+            files.write_json_atomic(self.run_dir / files.KNOWN_PEERS, reachable)
         epoch = max([r.epoch for r in live], default=self.averager.local_epoch)
         rate = sum(r.samples_per_second for r in live)
         mean_loss = sum(r.loss for r in live) / len(live) if live else None
@@ -236,11 +231,12 @@ class AuxPeer:
         # Bumped by what is new since the last turn, so the counts add up across restarts.
         self.store.add_new_counts(self._reported, {"metrics_records_refused": int(self.refused_records.value),
                                                    "averaging_requests_refused": int(self.guard.refused)})
-        write_json_atomic(self.run_dir / "status.json", {
-            "epoch": epoch, "peers": [r.dict() for r in live], "updated": time.time(),
-            "last_checkpoint_epoch": self.last_checkpoint_epoch, "samples_per_second": rate,
-            "total_epochs": self.swarm.total_epochs, "target_batch_size": self.swarm.target_batch_size,
-            "metrics_records_refused": int(self.refused_records.value), "metrics_records_dropped": self.dropped})
+        status = files.RunStatus(
+            epoch=epoch, peers=[r.dict() for r in live], updated=time.time(),
+            last_checkpoint_epoch=self.last_checkpoint_epoch, samples_per_second=rate,
+            total_epochs=self.swarm.total_epochs, target_batch_size=self.swarm.target_batch_size,
+            metrics_records_refused=int(self.refused_records.value), metrics_records_dropped=self.dropped)
+        files.write_json_atomic(self.run_dir / files.STATUS, status.to_dict())
         return live
 
     def credit(self, records: list[swarm_metrics.PeerMetrics]) -> None:

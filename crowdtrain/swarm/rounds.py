@@ -1,0 +1,183 @@
+"""What sync and DiLoCo mode share about averaging rounds: the typed record of a round, the
+peer's log of them, who offers its state to downloaders at what priority, how a peer that
+leaves a scheduled round (to download the state) lets its group finish without it, and what
+the swarm's progress records say (its epoch now, who is behind, whether it is at its start).
+
+A round record is what a peer's summary (``join --summary-file``), its metrics and the tests
+read. Fields that only one mode measures are None (left out of :meth:`RoundRecord.to_dict`) or
+False in the other.
+
+State offers: hivemind's downloaders (newcomers, peers catching up, the coordinator's
+checkpointer) take the state of the peer offering the highest priority, and peers read each
+other's offers to learn how far the swarm got (``crowdtrain.swarm.hivemind_seam.state``). The
+integer part of a priority is the epoch of the state on offer. :class:`StateOffer` is the one
+place a trainer offers, demotes or withdraws its state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundRecord:
+    epoch: int  # the epoch whose round this was (the step from epoch to epoch + 1)
+    group_size: int  # peers in this peer's group (1: it used its own tensors)
+    swarm_peers: int  # peers the swarm reported when the round started
+    weight: float = 0.0  # samples this peer put into the round
+    credited: bool = False  # its samples went into the swarm's step (crowdtrain.swarm.metrics.Ledger)
+    round_weight: float = 0.0  # what this peer's reducers averaged, summed over the round's senders
+    # sync mode: wall-clock times (comparable across peers on one machine) when the round was
+    # triggered (this peer reached the target batch), its all-reduce began, and it ended
+    triggered_unix: float | None = None
+    allreduce_unix: float | None = None
+    done_unix: float | None = None
+    left_out: bool = False  # the swarm finished the round without this peer
+    partial: bool = False  # a groupmate failed mid-round: part of the average is this peer's own
+    # DiLoCo mode
+    seconds: float | None = None  # from the sync point to the outer step
+    overlapped: bool = False  # inner steps went on during the round
+    inner_steps_during: int = 0
+    bytes_sent: int | None = None
+    aggregate_s: float | None = None
+    parts_dropped: int | None = None
+    params_sha: str | None = None  # digest of the global parameters after the outer step
+    diverged: bool = False  # this peer's group ended apart from the swarm's canonical state
+    healed: bool = False  # ... and this peer then downloaded the canonical state
+    overtaken: bool = False  # the swarm stepped on before this peer could compare states
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+class RoundLog:
+    """A peer's rounds, appended by its averaging thread and read by its training loop."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._records: list[RoundRecord] = []
+
+    def append(self, record: RoundRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    def last(self) -> RoundRecord | None:
+        with self._lock:
+            return self._records[-1] if self._records else None
+
+    def mark(self, epoch: int, **flags) -> bool:
+        """Set ``flags`` on the record of ``epoch`` if it is the latest (False if it is not)."""
+        with self._lock:
+            if not self._records or self._records[-1].epoch != epoch:
+                return False
+            for name, value in flags.items():
+                setattr(self._records[-1], name, value)
+            return True
+
+    def __getitem__(self, index: int) -> RoundRecord:
+        with self._lock:
+            return self._records[index]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def to_dicts(self) -> list[dict]:
+        with self._lock:
+            return [r.to_dict() for r in self._records]
+
+
+class StateOffer:
+    """Whether, and at what priority, a trainer offers its state (client-mode peers never do)."""
+
+    def __init__(self, averager, *, client_mode: bool):
+        self.averager, self.client_mode = averager, client_mode
+
+    def offer(self, priority: float) -> None:
+        """Offer the state at ``priority`` (its integer part: the state's epoch)."""
+        if not self.client_mode:
+            self.averager.allow_state_sharing = True
+            self.averager.state_sharing_priority = priority
+
+    def demote(self, epoch: int) -> None:
+        """Our parameters took (or take) a step the swarm did not: until we download the group's
+        state, rank ours below every peer of ``epoch`` that averaged in full and above any older
+        state. Offered at our epoch they would tie with the group's, and the coordinator's
+        checkpointer, a newcomer or another left-out peer could take them; not offered at all,
+        such peers would take the coordinator's copy, epochs old when nobody else serves."""
+        if not self.client_mode:
+            self.averager.state_sharing_priority = epoch - 0.5
+
+    def withdraw(self) -> None:
+        """Offer nothing (while we download: another peer left out of the same round would take ours)."""
+        if not self.client_mode:
+            self.averager.allow_state_sharing = False
+
+
+def tag_along(control, timeout: float) -> None:
+    """Let a round this peer scheduled (``control``: hivemind's StepControl) go on without its
+    tensors counting: weight 0, so the group that may be waiting for us does not stall; wait up to
+    ``timeout`` for it to end, and cancel it if it fails."""
+    try:
+        if not control.triggered:
+            control.weight = 0
+            control.allow_allreduce()
+        control.result(timeout)
+    except BaseException as e:
+        logger.debug("a round this peer tagged along failed: %r", e)
+        if not control.done():
+            control.cancel()
+
+
+def progress_records(tracker) -> list[dict] | None:
+    """Every peer's progress record (hivemind's ProgressTracker) read from the DHT now, malformed
+    ones left out; None if the DHT does not answer. A peer that left cleanly has erased its own."""
+    try:
+        found = tracker.dht.get(tracker.training_progress_key, latest=True)
+    except Exception as e:  # the DHT is busy
+        logger.debug("could not read the swarm's progress: %r", e)
+        return None
+    entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    return [v.value for v in entries.values()
+            if isinstance(getattr(v, "value", None), dict) and isinstance(v.value.get("epoch"), int)]
+
+
+def swarm_epoch_now(tracker) -> int:
+    """The newest epoch any peer reports, read from the DHT now: a paused ProgressTracker's view is
+    frozen (during a round or a state download). Falls back to the tracker's view."""
+    records = progress_records(tracker) or []
+    return max([tracker.global_epoch, *(r["epoch"] for r in records)])
+
+
+def peers_behind(tracker, epoch: int, *, exclude: bytes = b"") -> list[bytes]:
+    """Peers whose progress record reports an epoch below ``epoch`` (empty if the DHT does not answer)."""
+    return [r.get("peer_id", b"") for r in progress_records(tracker) or []
+            if r["epoch"] < epoch and r.get("peer_id", b"") != exclude]
+
+
+def swarm_at_start(tracker, state_averager) -> bool:
+    """True only if the DHT answers that no peer reports an epoch past 0 and no state of a later
+    epoch is on offer (the coordinator's auxiliary peer offers the last checkpoint's); False when
+    in doubt (the DHT does not answer)."""
+    from crowdtrain.swarm.hivemind_seam.state import state_offers_key
+
+    try:
+        progress = tracker.dht.get(tracker.training_progress_key, latest=True)
+        offers = state_averager.dht.get(state_offers_key(state_averager.prefix), latest=True)
+    except Exception as e:
+        logger.debug("could not read the swarm's progress: %r", e)
+        return False
+    epochs = [tracker.global_epoch]
+    for found, read in ((progress, lambda v: v["epoch"]), (offers, lambda v: int(float(v)))):
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        for entry in entries.values():
+            try:
+                epochs.append(int(read(entry.value)))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return max(epochs) == 0
