@@ -51,6 +51,7 @@ from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.hivemind_seam import check_hivemind_version
 from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager, set_state_epoch
 from crowdtrain.swarm.optimizer import make_lamb, make_scheduler
+from crowdtrain.swarm.rounds import StateOffer
 from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class AuxPeer:
             self.averager.optimizer.load_state_dict(unflatten_optimizer_state(tensors, meta))
         epoch = int(json.loads((path / "config.json").read_text())["step"])
         set_state_epoch(self.averager, epoch)
-        self.averager.state_sharing_priority = epoch
+        StateOffer(self.averager, client_mode=False).offer(epoch)
         logger.info("resumed from %s at epoch %d", path, epoch)
         return epoch
 
@@ -174,7 +175,8 @@ class AuxPeer:
             coordinator_peer_id=str(self.dht.peer_id),
             auth={k: self.auth[k] for k in ("mode", "coordinator_public_key", "token_url", "token_lifetime_s")},
             # A run that resumed from a checkpoint has moved on from the initial model.
-            initial_model={"seed": self.seed, "digest": self.initial_digest} if self.last_checkpoint_epoch == 0 else None)
+            initial_model=({"seed": self.seed, "digest": self.initial_digest} if self.last_checkpoint_epoch == 0
+                           else None))
         files.write_json_atomic(self.run_dir / files.RUN_INFO, join.to_dict())
         logger.info("DHT up at %s", maddrs)
 
@@ -274,7 +276,7 @@ class AuxPeer:
         epoch = self.averager.local_epoch
         if epoch <= self.last_checkpoint_epoch and not force:
             return
-        self.averager.state_sharing_priority = epoch
+        StateOffer(self.averager, client_mode=False).offer(epoch)
         tensors, meta = flatten_optimizer_state(self.averager.optimizer.state_dict())
         mean_loss = sum(r.loss for r in live) / len(live)
         path = save_checkpoint(self.checkpoint_dir / checkpoint_name(epoch), self.model, step=epoch, loss=mean_loss,

@@ -49,6 +49,7 @@ import logging
 import re
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -62,7 +63,8 @@ from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.swarm.hivemind_seam.averaging import RobustAveragerMixin
 from crowdtrain.swarm.hivemind_seam.optimizer import SuspectAwareProgressTracker
-from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit, state_offers_key
+from crowdtrain.swarm.hivemind_seam.records import state_offers_key
+from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit
 from crowdtrain.swarm.robust import SuspectPeers, make_aggregator
 from crowdtrain.swarm.rounds import RoundLog, RoundRecord, StateOffer, swarm_epoch_now, tag_along
 
@@ -198,6 +200,30 @@ class DiLoCoAverager(StateUploadLimit, RobustAveragerMixin, DecentralizedAverage
                    max_state_uploads=config.max_state_uploads, start=True, **kwargs)
 
 
+@dataclass
+class OpenRound:
+    """A round from its sync point until its outer step (``DiLoCoOptimizer.pending`` while it
+    overlaps inner steps)."""
+
+    epoch: int
+    swarm_peers: int  # as the tracker reported at the sync point
+    t0: float  # perf_counter at the sync point
+    before: dict  # the averager's wire stats at the sync point
+    weight: int  # samples this peer put in
+    # overlapped rounds only
+    control: object = None  # hivemind's StepControl
+    started: float = 0.0  # monotonic, when the inner steps went on
+    deadline: float = 0.0  # monotonic, when to stop waiting for it
+    continued_from: list | None = None  # our estimate of the outer step the inner steps went on from
+    inner_steps: int = 0  # taken during the round
+    next_check: float = 0.0  # monotonic, when next to ask whether the swarm went on without us
+    done_at: float | None = None  # perf_counter when it ended (the trainer notices at its next step)
+
+    def ended(self) -> None:
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
+
+
 class DiLoCoOptimizer:
     """The trainer's side, with the interface ``crowdtrain.swarm.peer`` uses (as SwarmOptimizer):
     ``step()`` after ``backward()``, ``zero_grad()``, ``local_epoch``, ``load_state_from_peers()``,
@@ -234,7 +260,7 @@ class DiLoCoOptimizer:
         self.global_params = self.averager.global_params
         self.samples_in_round = 0
         self.scheduled = None
-        self.pending: dict | None = None  # an overlapped round in flight (``overlap_outer_round``)
+        self.pending: OpenRound | None = None  # an overlapped round in flight (``overlap_outer_round``)
         self.rounds = RoundLog()
         self.offer = StateOffer(self.averager, client_mode=client_mode)
         self.ledger = swarm_metrics.Ledger()
@@ -285,7 +311,7 @@ class DiLoCoOptimizer:
             torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
         self.inner.step()
         if self.pending is not None:
-            self.pending["inner_steps"] += 1
+            self.pending.inner_steps += 1
         self.samples_in_round += self.batch_size
         self.tracker.report_local_progress(self._progress_epoch, self.samples_in_round)
         if self.pending is None:
@@ -423,8 +449,8 @@ class DiLoCoOptimizer:
         t0 = time.perf_counter()
         epoch = self.local_epoch
         with self.tracker.pause_updates():
-            round_ = {"epoch": epoch, "swarm_peers": self.tracker.global_progress.num_peers, "t0": t0,
-                      "before": self.averager.wire_stats.snapshot(), "weight": self.samples_in_round}
+            round_ = OpenRound(epoch=epoch, swarm_peers=self.tracker.global_progress.num_peers, t0=t0,
+                               before=self.averager.wire_stats.snapshot(), weight=self.samples_in_round)
             with torch.no_grad(), self.averager.get_tensors() as buffers:
                 for buffer, g, p in zip(buffers, self.global_params, self.params):
                     buffer.copy_(g).sub_(p.detach().to("cpu", torch.float32))  # pseudo-gradient
@@ -435,10 +461,10 @@ class DiLoCoOptimizer:
                 # Inner steps go on from our own estimate of the outer step; when the round ends
                 # they are moved onto the real one (``_finish_round``), so no step is lost.
                 self._restart_from(estimate)
-                round_.update(control=control, started=time.monotonic(), inner_steps=0,
-                              deadline=time.monotonic() + self.config.averaging_timeout_s, continued_from=estimate)
+                round_.control, round_.started, round_.continued_from = control, time.monotonic(), estimate
+                round_.deadline = time.monotonic() + self.config.averaging_timeout_s
                 # When the round ended (the trainer only notices at its next step).
-                control.add_done_callback(lambda _: round_.setdefault("done_at", time.perf_counter()))
+                control.add_done_callback(lambda _: round_.ended())
                 self.pending = round_
                 self.tracker.update_epoch(epoch + 1)
                 self.samples_in_round = 0
@@ -458,20 +484,20 @@ class DiLoCoOptimizer:
         """Finish the round in flight if it is over (with ``block``, wait until it is). False if
         this peer then had to download the state (the round failed, or its group lost a split)."""
         round_ = self.pending
-        control, epoch = round_["control"], round_["epoch"]
-        if not block and not control.done() and time.monotonic() < round_["deadline"]:
+        control, epoch = round_.control, round_.epoch
+        if not block and not control.done() and time.monotonic() < round_.deadline:
             # Still looking for a group well after the others should have formed theirs: check
             # (every few seconds) whether they finished this round without us.
             now = time.monotonic()
-            if (control.stage != AveragingStage.LOOKING_FOR_GROUP or now - round_["started"] < self.config.matchmaking_time_s
-                    or now < round_.get("next_check", 0.0)):
+            if (control.stage != AveragingStage.LOOKING_FOR_GROUP
+                    or now - round_.started < self.config.matchmaking_time_s or now < round_.next_check):
                 return True
-            round_["next_check"] = now + self.config.matchmaking_time_s
+            round_.next_check = now + self.config.matchmaking_time_s
             if not self._went_on_without_us(epoch):
                 return True
             control.cancel()
         self.pending = None
-        gathered = self._await(control, started=round_["started"], deadline=round_["deadline"],
+        gathered = self._await(control, started=round_.started, deadline=round_.deadline,
                                went_on=lambda: self._went_on_without_us(epoch))
         with self.tracker.pause_updates():
             diverged = self._finish_round(round_, gathered)
@@ -482,23 +508,23 @@ class DiLoCoOptimizer:
     def _drop_pending(self) -> None:
         """Leave the round in flight to the group (our part is in it) and forget its result."""
         round_, self.pending = self.pending, None
-        control = round_["control"]
+        control = round_.control
         try:
-            gathered = control.result(max(0.0, round_["deadline"] - time.monotonic()))
+            gathered = control.result(max(0.0, round_.deadline - time.monotonic()))
             # Our samples are in the group's step, though we leave before applying it.
-            self.ledger.credit(epoch=round_["epoch"], samples=round_["weight"], group_size=len(gathered or ()),
-                               swarm_peers=round_["swarm_peers"])
+            self.ledger.credit(epoch=round_.epoch, samples=round_.weight, group_size=len(gathered or ()),
+                               swarm_peers=round_.swarm_peers)
         except BaseException as e:
             logger.debug("a round this peer left early failed: %r", e)
             if not control.done():
                 control.cancel()
 
-    def _finish_round(self, round_: dict, gathered: dict | None) -> bool:
+    def _finish_round(self, round_: OpenRound, gathered: dict | None) -> bool:
         """The outer step from the averaged pseudo-gradient (or, with no group, our own), then the
         checks that our global parameters are the swarm's; True if they may not be (the caller
         downloads the state). Runs with the tracker paused."""
-        epoch, swarm_peers, before = round_["epoch"], round_["swarm_peers"], round_["before"]
-        overlapped = "continued_from" in round_
+        epoch, swarm_peers, before = round_.epoch, round_.swarm_peers, round_.before
+        overlapped = round_.continued_from is not None
         group_size = len(gathered) if gathered else 1
         with self.averager.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
             for g, buffer in zip(self.global_params, buffers):
@@ -513,7 +539,7 @@ class DiLoCoOptimizer:
         if overlapped:
             # Keep the inner steps taken during the round: params += new global - our estimate of it.
             with torch.no_grad():
-                for p, g, start in zip(self.params, self.global_params, round_["continued_from"]):
+                for p, g, start in zip(self.params, self.global_params, round_.continued_from):
                     p.add_(start.neg_().add_(g).to(p.device, p.dtype))
         else:
             self._restart_from_global()
@@ -523,7 +549,7 @@ class DiLoCoOptimizer:
         after = self.averager.wire_stats.snapshot()
         missing = after["elements_missing"] - before["elements_missing"]
         diverged = self._diverged(gathered, swarm_peers, missing)
-        credited = self.ledger.credit(epoch=epoch, samples=round_["weight"], group_size=group_size,
+        credited = self.ledger.credit(epoch=epoch, samples=round_.weight, group_size=group_size,
                                       swarm_peers=swarm_peers, discarded=diverged)
         if self._minority_base:
             # Our global parameters (the previous sync's result) were not the majority's:
@@ -535,13 +561,13 @@ class DiLoCoOptimizer:
         # gradients at the same time. Compare notes once their rounds are over too.
         if not diverged and group_size < swarm_peers:
             self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
-        seconds = round_.get("done_at", time.perf_counter()) - round_["t0"]
+        seconds = (round_.done_at if round_.done_at is not None else time.perf_counter()) - round_.t0
         self.rounds.append(RoundRecord(
             epoch=epoch, group_size=group_size, swarm_peers=swarm_peers, seconds=seconds, overlapped=overlapped,
-            inner_steps_during=round_.get("inner_steps", 0), bytes_sent=after["bytes_sent"] - before["bytes_sent"],
+            inner_steps_during=round_.inner_steps, bytes_sent=after["bytes_sent"] - before["bytes_sent"],
             aggregate_s=after["aggregate_s"] - before["aggregate_s"],
             parts_dropped=after["parts_dropped"] - before["parts_dropped"],
-            params_sha=params_digest(self.global_params), diverged=diverged, weight=round_["weight"],
+            params_sha=params_digest(self.global_params), diverged=diverged, weight=round_.weight,
             credited=credited, round_weight=after["weight_averaged"] - before["weight_averaged"]))
         self._last_round_end = time.monotonic()
         logger.log(self.status_loglevel, "outer step %d -> %d with %d/%d peers in %.2fs%s", epoch, new_epoch,

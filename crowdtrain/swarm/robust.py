@@ -238,10 +238,10 @@ class SuspectPeers:
     A sender is suspect after a round in which most of the parts it sent us were non-finite or
     outliers (:meth:`Aggregator.aggregate_and_judge`), and stops being so after a round in which
     most were not. A suspect's samples do not count toward the swarm's target batch
-    (``crowdtrain.swarm.hivemind_seam.optimizer.SuspectAwareProgressTracker``): an attacker that reports honest progress while
-    sending crafted tensors would otherwise make every round stop short of the target by its
-    share, and the honest peers train on that much less data (in bench_robust's DiLoCo runs,
-    a quarter). The reducer also leaves a suspect's parts out (clipping bounds a crafted part's
+    (``crowdtrain.swarm.hivemind_seam.optimizer.SuspectAwareProgressTracker``): an attacker that
+    reports honest progress while sending crafted tensors would otherwise make every round stop
+    short of the target by its share, and the honest peers train on that much less data (in
+    bench_robust's DiLoCo runs, a quarter). The reducer also leaves a suspect's parts out (clipping bounds a crafted part's
     pull but does not remove it; a constant bias still added up over rounds), unless suspects
     are half the senders or more. A false suspicion costs one round of that peer's contribution
     to the slice, and a round that waits for more samples from the others.

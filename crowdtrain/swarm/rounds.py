@@ -21,6 +21,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from crowdtrain.swarm.hivemind_seam.records import progress_records, state_offers_key
+
 logger = logging.getLogger(__name__)
 
 
@@ -134,19 +136,6 @@ def tag_along(control, timeout: float) -> None:
             control.cancel()
 
 
-def progress_records(tracker) -> list[dict] | None:
-    """Every peer's progress record (hivemind's ProgressTracker) read from the DHT now, malformed
-    ones left out; None if the DHT does not answer. A peer that left cleanly has erased its own."""
-    try:
-        found = tracker.dht.get(tracker.training_progress_key, latest=True)
-    except Exception as e:  # the DHT is busy
-        logger.debug("could not read the swarm's progress: %r", e)
-        return None
-    entries = found.value if found is not None and isinstance(found.value, dict) else {}
-    return [v.value for v in entries.values()
-            if isinstance(getattr(v, "value", None), dict) and isinstance(v.value.get("epoch"), int)]
-
-
 def swarm_epoch_now(tracker) -> int:
     """The newest epoch any peer reports, read from the DHT now: a paused ProgressTracker's view is
     frozen (during a round or a state download). Falls back to the tracker's view."""
@@ -164,8 +153,6 @@ def swarm_at_start(tracker, state_averager) -> bool:
     """True only if the DHT answers that no peer reports an epoch past 0 and no state of a later
     epoch is on offer (the coordinator's auxiliary peer offers the last checkpoint's); False when
     in doubt (the DHT does not answer)."""
-    from crowdtrain.swarm.hivemind_seam.state import state_offers_key
-
     try:
         progress = tracker.dht.get(tracker.training_progress_key, latest=True)
         offers = state_averager.dht.get(state_offers_key(state_averager.prefix), latest=True)

@@ -16,7 +16,8 @@ be sent upstream as they are (docs/hivemind-fixes.md); once hivemind has one, de
 The modules: ``averaging`` (the all-reduce: robust reducer, results as values, byte counting,
 matchmaking fixes), ``state`` (serving and downloading the training state), ``optimizer``
 (hivemind.Optimizer's internal steps as hooks, the suspect-aware progress tracker), ``p2p``
-(auth token, dialing, RPC handler wrapping, the decoder table).
+(auth token, dialing, RPC handler wrapping, the decoder table), ``records`` (the layouts of the
+DHT records crowdtrain reads: state offers, progress records).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Seam:
 
 KINDS = ("override", "copy", "patch", "private-read", "layout", "public-override")
 
-_A, _S, _O, _P = (f"crowdtrain.swarm.hivemind_seam.{m}" for m in ("averaging", "state", "optimizer", "p2p"))
+_A, _S, _O, _P, _R = (f"crowdtrain.swarm.hivemind_seam.{m}"
+                      for m in ("averaging", "state", "optimizer", "p2p", "records"))
 _ROBUST = "tests/test_robust.py::"
 _CATCH = "tests/test_catch_up.py::"
 
@@ -131,7 +133,10 @@ SEAMS: tuple[Seam, ...] = (
          "relies on an empty stream meaning 'next donor' to the downloader",
          "tests/test_state_uploads.py::test_a_busy_donor_turns_the_second_newcomer_away_and_it_does_not_take_the_old_checkpoint",
          "fd2f6f19e7d247af"),
-    Seam(f"{_S}:state_offers_key",
+    Seam(f"{_R}:progress_records", "hivemind.optim.progress_tracker:LocalTrainingProgress", "layout",
+         "the fields of a peer's progress record (peer_id, epoch, samples_accumulated, samples_per_second)",
+         _CATCH + "test_after_a_long_download_the_epoch_check_reads_the_swarm_afresh", "493562e9fef573b5"),
+    Seam(f"{_R}:state_offers_key",
          "hivemind.averaging.averager:DecentralizedAverager._declare_for_download_periodically", "layout",
          "the DHT key of state offers ('{prefix}.all_averagers', peer ID -> priority)",
          _CATCH + "test_a_peer_left_out_of_a_round_ranks_its_state_below_the_groups_at_once", "23ae6db0d205bcaf"),

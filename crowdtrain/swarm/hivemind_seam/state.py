@@ -40,17 +40,13 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 
+from crowdtrain.swarm.hivemind_seam.records import state_offers_key
+
 logger = logging.getLogger(__name__)
 
 # The line a downloader logs after each state it receives (hivemind's wording); tests and
 # benchmarks read who served which newcomer from it.
 DOWNLOADED_FROM = re.compile(r"Finished downloading state in ([0-9.]+)s from (\S+)")
-
-
-def state_offers_key(prefix: str) -> str:
-    """The DHT key under which hivemind's averagers of ``prefix`` offer their state: a dict of
-    peer ID -> state sharing priority (``DecentralizedAverager._declare_for_download_periodically``)."""
-    return f"{prefix}.all_averagers"
 
 
 def set_state_epoch(averager, epoch: int) -> None:
