@@ -181,3 +181,9 @@ def test_a_state_keeper_labelled_with_an_epoch_moves_its_scheduler_there():
         assert averager.optimizer.param_groups[0]["lr"] == pytest.approx(1.0 / 5)
     finally:
         dht.shutdown()
+
+
+def test_another_hivemind_version_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(hivemind, "__version__", "1.2.0")
+    with pytest.raises(RuntimeError, match=rf"found 1.2.0: pip install hivemind=={re.escape(HIVEMIND_VERSION)}"):
+        hivemind_seam.check_hivemind_version()

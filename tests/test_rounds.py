@@ -2,21 +2,21 @@
 
 from types import SimpleNamespace
 
-from crowdtrain.swarm.rounds import RoundLog, RoundRecord, StateOffer, tag_along
+from crowdtrain.swarm.rounds import RoundLog, RoundSummary, StateOffer, tag_along
 
 
 def test_a_round_record_leaves_out_what_its_mode_does_not_measure():
-    sync = RoundRecord(epoch=3, group_size=2, swarm_peers=3, weight=16, credited=True, done_unix=1.0)
+    sync = RoundSummary(epoch=3, group_size=2, swarm_peers=3, weight=16, credited=True, done_unix=1.0)
     assert "seconds" not in sync.to_dict() and sync.to_dict()["done_unix"] == 1.0
-    diloco = RoundRecord(epoch=3, group_size=3, swarm_peers=3, seconds=2.5, params_sha="ab")
+    diloco = RoundSummary(epoch=3, group_size=3, swarm_peers=3, seconds=2.5, params_sha="ab")
     assert "done_unix" not in diloco.to_dict() and diloco.to_dict()["seconds"] == 2.5
 
 
 def test_the_log_marks_only_its_latest_round():
     log = RoundLog()
     assert log.last() is None and not log.mark(1, diverged=True)
-    log.append(RoundRecord(epoch=1, group_size=2, swarm_peers=2))
-    log.append(RoundRecord(epoch=2, group_size=2, swarm_peers=2))
+    log.append(RoundSummary(epoch=1, group_size=2, swarm_peers=2))
+    log.append(RoundSummary(epoch=2, group_size=2, swarm_peers=2))
     assert not log.mark(1, diverged=True), "an older round is history"
     assert log.mark(2, diverged=True, healed=True) and log.last().healed and not log[0].diverged
     assert [r["epoch"] for r in log.to_dicts()] == [1, 2] and len(log) == 2

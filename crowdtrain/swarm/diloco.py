@@ -66,7 +66,7 @@ from crowdtrain.swarm.hivemind_seam.optimizer import SuspectAwareProgressTracker
 from crowdtrain.swarm.hivemind_seam.records import state_offers_key
 from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit
 from crowdtrain.swarm.robust import SuspectPeers, make_aggregator
-from crowdtrain.swarm.rounds import RoundLog, RoundRecord, StateOffer, swarm_epoch_now, tag_along
+from crowdtrain.swarm.rounds import RoundLog, RoundSummary, StateOffer, swarm_epoch_now, tag_along
 
 logger = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class DiLoCoOptimizer:
             self._check_sync = True
             self._share_state()
 
-    def last_round(self) -> RoundRecord | None:
+    def last_round(self) -> RoundSummary | None:
         return self.rounds.last()
 
     def averaging_stats(self) -> dict:
@@ -562,7 +562,7 @@ class DiLoCoOptimizer:
         if not diverged and group_size < swarm_peers:
             self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
         seconds = (round_.done_at if round_.done_at is not None else time.perf_counter()) - round_.t0
-        self.rounds.append(RoundRecord(
+        self.rounds.append(RoundSummary(
             epoch=epoch, group_size=group_size, swarm_peers=swarm_peers, seconds=seconds, overlapped=overlapped,
             inner_steps_during=round_.inner_steps, bytes_sent=after["bytes_sent"] - before["bytes_sent"],
             aggregate_s=after["aggregate_s"] - before["aggregate_s"],

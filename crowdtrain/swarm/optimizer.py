@@ -27,7 +27,7 @@ from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.swarm.hivemind_seam import check_hivemind_version
 from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam
 from crowdtrain.swarm.robust import make_aggregator
-from crowdtrain.swarm.rounds import RoundLog, RoundRecord, StateOffer, peers_behind, swarm_epoch_now, tag_along
+from crowdtrain.swarm.rounds import RoundLog, RoundSummary, StateOffer, peers_behind, swarm_epoch_now, tag_along
 
 logger = logging.getLogger(__name__)
 
@@ -99,15 +99,17 @@ class StateUnavailable(RuntimeError):
 
 
 class SwarmOptimizer(OptimizerSeam):
-    """hivemind.Optimizer that remembers how many peers each gradient-averaging round had, whose
-    averagers aggregate with the run's rule (``crowdtrain.swarm.robust``) and refuse peers without a
-    valid access token (when given an ``access_guard``).
+    """Sync mode: hivemind.Optimizer's gradient accumulation, delayed updates and state averaging,
+    driven through the hooks of :class:`crowdtrain.swarm.hivemind_seam.optimizer.OptimizerSeam`
+    (whose averagers aggregate with the run's rule and refuse peers without a valid access token).
+    It logs each round (``rounds``, :class:`crowdtrain.swarm.rounds.RoundSummary`), credits its
+    ledger, and offers its state through :class:`crowdtrain.swarm.rounds.StateOffer`.
 
     A peer left out of a round (the others formed a group without it) would, in hivemind, step
     with its own gradients and train on a diverged model until the next state averaging. Here
-    peers that finish a round in a group say so in a signed DHT record (``RoundRecord``); a peer
-    still looking for that round's group stops waiting, and downloads the group's state at its
-    next step (or before it leaves)."""
+    peers that finish a round in a group say so in a signed DHT record
+    (``crowdtrain.swarm.metrics.publish_round``); a peer still looking for that round's group stops
+    waiting, and downloads the group's state at its next step (or before it leaves)."""
 
     def __init__(self, *args, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
                  signer: RSASignatureValidator | None = None, final_epoch: int | None = None,
@@ -220,7 +222,7 @@ class SwarmOptimizer(OptimizerSeam):
         weight = maybe_step_control.weight if maybe_step_control is not None else 0.0
         credited = self.ledger.credit(epoch=epoch, samples=weight, group_size=group_size, swarm_peers=swarm_peers,
                                       discarded=self._lost_round == epoch)
-        self.rounds.append(RoundRecord(
+        self.rounds.append(RoundSummary(
             epoch=epoch, group_size=group_size, swarm_peers=swarm_peers, triggered_unix=triggered_unix,
             allreduce_unix=allreduce_unix, done_unix=time.time(), left_out=self._lost_round == epoch, partial=partial,
             weight=weight, credited=credited, round_weight=self._weight_averaged() - averaged_before))
@@ -363,7 +365,7 @@ class SwarmOptimizer(OptimizerSeam):
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
 
-    def last_round(self) -> RoundRecord | None:
+    def last_round(self) -> RoundSummary | None:
         return self.rounds.last()
 
     def finish_pending_updates(self) -> None:

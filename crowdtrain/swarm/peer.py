@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from crowdtrain.swarm.rounds import RoundRecord
+from crowdtrain.swarm.rounds import RoundSummary
 
 logger = logging.getLogger(__name__)
 
@@ -492,7 +492,7 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
             summary["first_epoch_unix"] = time.time()
         now = time.perf_counter()
         rate = contributed / max(now - start, 1e-9)
-        last_round = optimizer.last_round() or RoundRecord(epoch=0, group_size=0, swarm_peers=0)
+        last_round = optimizer.last_round() or RoundSummary(epoch=0, group_size=0, swarm_peers=0)
         # One line (and one metrics record) per new epoch or every 5 s, not per step: a small
         # model steps several times a second.
         if optimizer.local_epoch != epoch_seen or now - last_report > 5:

@@ -4,7 +4,7 @@ leaves a scheduled round (to download the state) lets its group finish without i
 the swarm's progress records say (its epoch now, who is behind, whether it is at its start).
 
 A round record is what a peer's summary (``join --summary-file``), its metrics and the tests
-read. Fields that only one mode measures are None (left out of :meth:`RoundRecord.to_dict`) or
+read. Fields that only one mode measures are None (left out of :meth:`RoundSummary.to_dict`) or
 False in the other.
 
 State offers: hivemind's downloaders (newcomers, peers catching up, the coordinator's
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RoundRecord:
+class RoundSummary:
     epoch: int  # the epoch whose round this was (the step from epoch to epoch + 1)
     group_size: int  # peers in this peer's group (1: it used its own tensors)
     swarm_peers: int  # peers the swarm reported when the round started
@@ -62,13 +62,13 @@ class RoundLog:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._records: list[RoundRecord] = []
+        self._records: list[RoundSummary] = []
 
-    def append(self, record: RoundRecord) -> None:
+    def append(self, record: RoundSummary) -> None:
         with self._lock:
             self._records.append(record)
 
-    def last(self) -> RoundRecord | None:
+    def last(self) -> RoundSummary | None:
         with self._lock:
             return self._records[-1] if self._records else None
 
@@ -81,7 +81,7 @@ class RoundLog:
                 setattr(self._records[-1], name, value)
             return True
 
-    def __getitem__(self, index: int) -> RoundRecord:
+    def __getitem__(self, index: int) -> RoundSummary:
         with self._lock:
             return self._records[index]
 

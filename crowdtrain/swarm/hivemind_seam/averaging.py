@@ -48,7 +48,8 @@ class _PartCollector:
 
 class RobustTensorPartReducer(TensorPartReducer):
     """hivemind's reducer (same waiting, same handling of failed senders), but it keeps the parts
-    of the current slice and hands them to an :class:`Aggregator` once every live sender sent it."""
+    of the current slice and hands them to :func:`crowdtrain.swarm.robust.combine_slice` once every
+    live sender sent it."""
 
     def __init__(self, part_shapes, num_senders: int, *, aggregator: Aggregator, stats: WireStats,
                  suspect_senders: frozenset[int] = frozenset()):
