@@ -47,14 +47,16 @@ CODECS = ("hivemind", "codec", "encode-once", "crowdtrain")
 def use_codec(codec: str) -> None:
     """Put the named codec in place in this peer process, before it starts its averager (which forks)."""
     from hivemind.compression import Uniform8BitQuantization
-    from hivemind.compression import serialization
 
     import crowdtrain.swarm.compression as compression
     import crowdtrain.swarm.hivemind_seam.averaging as seam
     import crowdtrain.swarm.robust as robust
+    from crowdtrain.swarm.hivemind_seam.p2p import replace_decoder
 
+    # The variants before ``crowdtrain`` recreate hivemind's own code paths inside the seam's classes.
     if codec == "hivemind":
-        serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8BitQuantization()
+        assert replace_decoder("UNIFORM_8BIT", Uniform8BitQuantization(),
+                               replaces=(compression.Uniform8Bit, Uniform8BitQuantization))
         compression.Uniform8Bit.quantize = Uniform8BitQuantization.quantize
         robust.finite_part = lambda part: bool(robust.torch.isfinite(part).all())
     else:
