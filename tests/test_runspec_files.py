@@ -4,6 +4,8 @@ that names it, never an exception."""
 
 import json
 
+import pytest
+
 from crowdtrain.runspec import files
 
 
@@ -12,7 +14,7 @@ def test_what_the_aux_peer_writes_reads_back_as_its_schema(tmp_path):
                          initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/QmX"], coordinator_peer_id="QmX",
                          auth={"mode": "open"}, initial_model={"seed": 1, "digest": "d"})
     status = files.RunStatus(epoch=3, peers=[{"peer_id": "p", "loss": 2.0}], updated=1.0, samples_per_second=4.5,
-                             total_epochs=10, target_batch_size=8)
+                             total_epochs=10, target_batch_size=8, metrics_records_dropped={"time": 2})
     files.write_json_atomic(tmp_path / files.RUN_INFO, info.to_dict())
     files.write_json_atomic(tmp_path / files.STATUS, status.to_dict())
     assert files.read_run_info(tmp_path) == (info, None)
@@ -51,3 +53,8 @@ def test_known_peers_of_the_wrong_shape_are_left_out_and_an_unreadable_file_is_n
     path.write_bytes(b"\x00\xff garbage")
     peers, problem = files.read_known_peers(tmp_path)
     assert peers == {} and "known_peers.json is unreadable" in problem
+
+
+def test_a_writer_that_breaks_the_schema_is_stopped_before_the_file_is_written(tmp_path):
+    with pytest.raises(ValueError, match="RunStatus.metrics_records_dropped must be an object"):
+        files.RunStatus(epoch=1, metrics_records_dropped=3).to_dict()

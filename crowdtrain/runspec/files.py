@@ -53,7 +53,11 @@ class _Schema:
         return cls(**values)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The JSON the file holds; raises ValueError if a field does not have its declared type
+        (a writer's bug: readers would take the whole file for broken)."""
+        values = dataclasses.asdict(self)
+        typed_config(type(self), values, type(self).__name__)
+        return values
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class RunStatus(_Schema):
     total_epochs: int = 0
     target_batch_size: int = 0
     metrics_records_refused: int = 0  # records that failed signature or schema checks
-    metrics_records_dropped: int = 0  # records the database refused
+    metrics_records_dropped: dict = field(default_factory=dict)  # reason -> records dropped after the checks
 
 
 def _read_typed(path: Path, cls):
