@@ -15,8 +15,7 @@ from hivemind.utils import get_dht_time
 
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.runspec.swarm import SwarmConfig
-from crowdtrain.swarm import optimizer as optimizer_module
-from crowdtrain.swarm.optimizer import StateUnavailable, SwarmOptimizer
+from crowdtrain.swarm.optimizer import CatchUp, StateUnavailable, SwarmOptimizer
 from crowdtrain.swarm.rounds import StateOffer
 
 
@@ -63,8 +62,9 @@ def _optimizer(outcomes, global_epoch, give_up_s, swarm_epochs=()):
                               report_local_progress=lambda **kw: None, dht=_DHT(swarm_epochs),
                               training_progress_key="run_progress")
     opt = _Optimizer(scheduled_grads=None, state_averager=averager, grad_averager=None, tracker=tracker,
-                     load_state_timeout=1.0, give_up_s=give_up_s, _behind_since=None, client_mode=True,
-                     use_gradient_averaging=False, _lost_round=None, offer=StateOffer(averager, client_mode=True))
+                     load_state_timeout=1.0, averaging_timeout=30.0, give_up_s=give_up_s, catch_up=CatchUp(), client_mode=True,
+                     use_gradient_averaging=False, offer=StateOffer(averager, client_mode=True),
+                     _others_finished=lambda epoch: True)
     return opt, averager
 
 
@@ -80,7 +80,7 @@ def test_a_download_that_keeps_failing_gives_up_after_the_limit_and_says_why(mon
 def test_a_transient_failure_is_retried_and_a_peer_one_epoch_behind_catches_up():
     opt, averager = _optimizer([TimeoutError("busy"), 8], global_epoch=9, give_up_s=600)
     SwarmOptimizer.load_state_from_peers(opt)
-    assert averager.calls == 2 and opt.local_epoch == 9 and opt._behind_since is None
+    assert averager.calls == 2 and opt.local_epoch == 9 and opt.catch_up.behind_since is None
 
 
 def test_a_peer_that_stays_behind_every_state_served_leaves(monkeypatch):
@@ -100,9 +100,9 @@ def test_a_peer_whose_donors_were_all_busy_is_not_relabelled_as_caught_up(monkey
     monkeypatch.setattr("crowdtrain.swarm.optimizer.time.sleep", lambda s: None)
     opt, averager = _optimizer([None, 9], global_epoch=1, give_up_s=600)  # a newcomer at epoch 0
     SwarmOptimizer.load_state_from_peers(opt)
-    assert opt.local_epoch == 0 and opt._behind_since is not None
+    assert opt.local_epoch == 0 and opt.catch_up.behind_since is not None
     SwarmOptimizer.load_state_from_peers(opt)
-    assert averager.calls == 2 and opt.local_epoch == 9 and opt._behind_since is None
+    assert averager.calls == 2 and opt.local_epoch == 9 and opt.catch_up.behind_since is None
 
 
 def test_the_give_up_time_follows_the_load_timeout():
@@ -132,11 +132,24 @@ def test_catching_up_downloads_the_state_once_not_the_gradient_buffers_too():
 
 def test_after_a_long_download_the_epoch_check_reads_the_swarm_afresh():
     # The tracker is paused during the download, so its epoch is as old as the download start
-    # (5); the swarm moved to 6 meanwhile. One epoch behind catches up (as hivemind intends)
-    # instead of downloading again at the next step.
+    # (5); the swarm moved to 6 meanwhile. A peer reports epoch 5's round done: one epoch behind
+    # catches up (as hivemind does) instead of downloading again, as slowly, at the next step.
     opt, averager = _optimizer([5], global_epoch=5, give_up_s=600, swarm_epochs=[6, 6, 5])
+    opt._others_finished = lambda epoch: epoch == 5
     SwarmOptimizer.load_state_from_peers(opt)
     assert averager.calls == 1 and opt.local_epoch == 6
+
+
+def test_a_state_served_while_its_donors_update_runs_keeps_its_epoch():
+    """The swarm reports epoch 6 and the donors serve epoch 5, their update still running (nobody
+    reports epoch 5's round done). Labelled 6, this peer's next matchmaking would join that round
+    as its epoch-6 round (group keys carry no epoch): its rounds one epoch off for good. It keeps
+    epoch 5, steps at once, and joins that round; it is not behind enough to wait."""
+    opt, averager = _optimizer([5], global_epoch=6, give_up_s=600, swarm_epochs=[6, 6])
+    asked = []
+    opt._others_finished = lambda epoch: asked.append(epoch) or False
+    SwarmOptimizer.load_state_from_peers(opt)
+    assert averager.calls == 1 and asked == [5] and opt.local_epoch == 5 and opt.catch_up.behind_since is None
 
 
 def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state(monkeypatch):
@@ -157,14 +170,15 @@ def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state
 
     # The next step downloads, with our diverged state hidden meanwhile from other left-out peers.
     opt, averager = _optimizer([5], global_epoch=5, give_up_s=600)
-    opt.client_mode, opt._lost_round = False, 4
+    opt.client_mode = False
+    opt.catch_up.lose(4)
     opt.offer = StateOffer(averager, client_mode=False)
     # The next round, scheduled ahead, has no group yet: cancelled, not waited for (hivemind
     # tags along with zero weight and blocks until that round ends, maybe an epoch away).
     cancelled = []
     opt.scheduled_grads = SimpleNamespace(done=lambda: False, triggered=False, stage=AveragingStage.LOOKING_FOR_GROUP,
                                           cancel=lambda: cancelled.append(True))
-    monkeypatch.setattr(optimizer_module, "tag_along",
+    monkeypatch.setattr("crowdtrain.swarm.rounds.tag_along",
                         lambda control, timeout: pytest.fail("waited for a round with no group yet"))
     opt.state_averager.allow_state_sharing = True
     sharing = []
@@ -172,7 +186,7 @@ def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state
                                                       setattr(averager, "local_epoch", 5),
                                                       setattr(averager.states_loaded, "value", 1))
     SwarmOptimizer.load_state_from_peers(opt)
-    assert sharing == [False] and averager.allow_state_sharing is True and opt._lost_round is None
+    assert sharing == [False] and averager.allow_state_sharing is True and opt.catch_up.lost_epoch is None
     assert cancelled == [True] and opt.scheduled_grads is None
 
 
@@ -347,7 +361,7 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
     monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging", lambda self: seen.append("scheduled"))
     opt = SwarmOptimizer.__new__(SwarmOptimizer)
     opt.average_state_every, opt.final_epoch = 3, 6
-    opt._lost_round = opt._partial_round = None
+    opt.catch_up = CatchUp()
     opt.tracker = SimpleNamespace(global_epoch=0, global_progress=SimpleNamespace(num_peers=2))
     opt.state_averager = SimpleNamespace(local_epoch=4)
     opt._update_global_epoch(None)
@@ -367,8 +381,9 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
 def _partial(finished_after: int | None, deadline_s: float):
     asked = []
     averager = SimpleNamespace(state_sharing_priority=4.5)
-    opt = SimpleNamespace(_partial_round=(4, time.monotonic() + deadline_s), _partial_checked=0.0, _lost_round=None,
-                          local_epoch=5, state_averager=averager, offer=StateOffer(averager, client_mode=False),
+    catch_up = CatchUp()
+    catch_up.partial(4, time.monotonic() + deadline_s)
+    opt = SimpleNamespace(catch_up=catch_up, local_epoch=5, state_averager=averager, offer=StateOffer(averager, client_mode=False),
                           _others_finished=lambda epoch: asked.append(epoch) or (
                               finished_after is not None and len(asked) > finished_after))
     return opt, asked
@@ -381,9 +396,9 @@ def test_a_peer_given_part_of_the_average_downloads_if_a_groupmate_got_all_of_it
     opt, asked = _partial(finished_after=1, deadline_s=30.0)
     SwarmOptimizer._resolve_partial_round(opt, wait=False)
     SwarmOptimizer._resolve_partial_round(opt, wait=False)  # within the second: not asked again
-    assert asked == [4] and opt._lost_round is None and opt._partial_round is not None
+    assert asked == [4] and opt.catch_up.lost_epoch is None and opt.catch_up.partial_epoch == 4
     SwarmOptimizer._resolve_partial_round(opt, wait=True)  # before leaving: until decided
-    assert asked == [4, 4] and opt._lost_round == 4 and opt._partial_round is None
+    assert asked == [4, 4] and opt.catch_up.lost_epoch == 4 and opt.catch_up.partial_epoch is None
     assert opt.state_averager.state_sharing_priority == 4.5, "our partial step ranks below the group's"
 
 
@@ -392,5 +407,19 @@ def test_when_every_groupmate_got_part_of_the_average_a_peer_keeps_its_state_and
     started = time.monotonic()
     SwarmOptimizer._resolve_partial_round(opt, wait=True)
     assert 1.2 <= time.monotonic() - started < 3.0 and len(asked) >= 2
-    assert opt._lost_round is None and opt._partial_round is None
+    assert opt.catch_up.lost_epoch is None and opt.catch_up.partial_epoch is None
     assert opt.state_averager.state_sharing_priority == 5, "as good as anyone's: offered at our epoch again"
+
+
+def test_a_lost_round_stays_lost_until_a_download_brings_a_state():
+    catch_up = CatchUp()
+    assert not catch_up.off_step and catch_up.start_download() is None
+    catch_up.lose(4)
+    assert catch_up.off_step
+    lost = catch_up.start_download()
+    assert lost == 4 and not catch_up.off_step, "while downloading"
+    catch_up.download_failed(lost)
+    assert catch_up.lost_epoch == 4, "nobody served a state: the next step tries again"
+    catch_up.start_download()
+    catch_up.download_failed(None)
+    assert not catch_up.off_step, "a plain catch-up that failed loses nothing"

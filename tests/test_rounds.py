@@ -2,7 +2,10 @@
 
 from types import SimpleNamespace
 
-from crowdtrain.swarm.rounds import RoundLog, RoundSummary, StateOffer, tag_along
+from hivemind.averaging.control import AveragingStage
+
+from crowdtrain.swarm import rounds
+from crowdtrain.swarm.rounds import LeftOutWatch, RoundLog, RoundSummary, StateOffer, release_scheduled, tag_along
 
 
 def test_a_round_record_leaves_out_what_its_mode_does_not_measure():
@@ -66,3 +69,49 @@ def test_tagging_along_puts_zero_weight_in_an_untriggered_round_and_cancels_a_fa
     failed = _Control(fails=True)
     tag_along(failed, timeout=1.0)
     assert failed.cancelled
+
+
+def test_the_left_out_watch_asks_only_after_a_matchmaking_time_only_while_looking_and_at_most_once_per_period(
+        monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(rounds.time, "monotonic", lambda: now[0])
+    reads = []
+    control = SimpleNamespace(stage=AveragingStage.LOOKING_FOR_GROUP)
+    watch = LeftOutWatch(control, matchmaking_time=3.0, went_on=lambda: reads.append(now[0]) or True)
+    now[0] = 102.9
+    assert not watch.left_out() and reads == [], "the others may still be forming their group"
+    now[0] = 103.0
+    assert watch.left_out() and reads == [103.0]
+    now[0] = 103.5
+    assert not watch.left_out() and reads == [103.0], "one DHT read per period"
+    now[0], control.stage = 104.0, AveragingStage.RUNNING_ALLREDUCE
+    assert not watch.left_out() and reads == [103.0], "a peer in an all-reduce is in its round"
+    now[0], control.stage = 107.0, AveragingStage.LOOKING_FOR_GROUP
+    assert watch.left_out(every=5.0) and reads == [103.0, 107.0]
+    now[0] = 111.0
+    assert not watch.left_out() and reads == [103.0, 107.0], "the period the last read asked for"
+    quiet = LeftOutWatch(control, matchmaking_time=0.0, went_on=lambda: False)
+    assert not quiet.left_out(), "nobody reports the round done: still in it"
+
+
+def test_a_scheduled_round_nobody_waits_on_is_cancelled_and_one_with_a_group_is_tagged_along(monkeypatch):
+    tagged = []
+    monkeypatch.setattr(rounds, "tag_along", lambda control, timeout: tagged.append((control, timeout)))
+
+    def control(stage, *, triggered=False, done=False):
+        c = SimpleNamespace(stage=stage, triggered=triggered, cancelled=False, done=lambda: done)
+        c.cancel = lambda: setattr(c, "cancelled", True)
+        return c
+
+    release_scheduled(None, 5.0)
+    for stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+        looking = control(stage)
+        release_scheduled(looking, 5.0)
+        assert looking.cancelled and not tagged
+    for grouped in (control(AveragingStage.AWAITING_TRIGGER), control(AveragingStage.RUNNING_ALLREDUCE),
+                    control(AveragingStage.LOOKING_FOR_GROUP, triggered=True)):
+        release_scheduled(grouped, 5.0)
+        assert not grouped.cancelled and tagged[-1] == (grouped, 5.0)
+    finished = control(AveragingStage.FINISHED, done=True)
+    release_scheduled(finished, 5.0)
+    assert not finished.cancelled and len(tagged) == 3

@@ -53,7 +53,6 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
@@ -66,7 +65,8 @@ from crowdtrain.swarm.hivemind_seam.optimizer import SuspectAwareProgressTracker
 from crowdtrain.swarm.hivemind_seam.records import state_offers_key
 from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit
 from crowdtrain.swarm.robust import SuspectPeers, make_aggregator
-from crowdtrain.swarm.rounds import RoundLog, RoundSummary, StateOffer, swarm_epoch_now, tag_along
+from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, release_scheduled,
+                                     swarm_epoch_now, tag_along)
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class OpenRound:
     deadline: float = 0.0  # monotonic, when to stop waiting for it
     continued_from: list | None = None  # our estimate of the outer step the inner steps went on from
     inner_steps: int = 0  # taken during the round
-    next_check: float = 0.0  # monotonic, when next to ask whether the swarm went on without us
+    watch: LeftOutWatch | None = None  # whether the swarm went on without us
     done_at: float | None = None  # perf_counter when it ended (the trainer notices at its next step)
 
     def ended(self) -> None:
@@ -401,11 +401,7 @@ class DiLoCoOptimizer:
             time.sleep(grace)
         if self.pending is not None:
             self._drop_pending()
-        if self.scheduled is not None and not self.scheduled.done():
-            if self.scheduled.stage == AveragingStage.LOOKING_FOR_GROUP:
-                self.scheduled.cancel()
-            else:
-                tag_along(self.scheduled, self.config.averaging_timeout_s)
+        release_scheduled(self.scheduled, self.config.averaging_timeout_s)
         self.tracker.shutdown(5)
         self.averager.shutdown()
 
@@ -463,6 +459,8 @@ class DiLoCoOptimizer:
                 self._restart_from(estimate)
                 round_.control, round_.started, round_.continued_from = control, time.monotonic(), estimate
                 round_.deadline = time.monotonic() + self.config.averaging_timeout_s
+                round_.watch = LeftOutWatch(control, matchmaking_time=self.config.matchmaking_time_s,
+                                            went_on=lambda: self._went_on_without_us(epoch), started=round_.started)
                 # When the round ended (the trainer only notices at its next step).
                 control.add_done_callback(lambda _: round_.ended())
                 self.pending = round_
@@ -472,9 +470,9 @@ class DiLoCoOptimizer:
                 return
             gathered = None
             if control is not None:
-                started = time.monotonic()
-                gathered = self._await(control, started=started, deadline=started + self.config.averaging_timeout_s,
-                                       went_on=lambda: swarm_epoch_now(self.tracker) > epoch)
+                watch = LeftOutWatch(control, matchmaking_time=self.config.matchmaking_time_s,
+                                     went_on=lambda: swarm_epoch_now(self.tracker) > epoch)
+                gathered = self._await(control, watch, deadline=watch.started + self.config.averaging_timeout_s)
             diverged = self._finish_round(round_, gathered)
         if diverged:
             self.load_state_from_peers(lost_branch=True)
@@ -486,19 +484,14 @@ class DiLoCoOptimizer:
         round_ = self.pending
         control, epoch = round_.control, round_.epoch
         if not block and not control.done() and time.monotonic() < round_.deadline:
-            # Still looking for a group well after the others should have formed theirs: check
-            # (every few seconds) whether they finished this round without us.
-            now = time.monotonic()
-            if (control.stage != AveragingStage.LOOKING_FOR_GROUP
-                    or now - round_.started < self.config.matchmaking_time_s or now < round_.next_check):
-                return True
-            round_.next_check = now + self.config.matchmaking_time_s
-            if not self._went_on_without_us(epoch):
+            # Between inner steps: ask the DHT once per matchmaking time at most.
+            if not round_.watch.left_out(every=self.config.matchmaking_time_s):
                 return True
             control.cancel()
         self.pending = None
-        gathered = self._await(control, started=round_.started, deadline=round_.deadline,
-                               went_on=lambda: self._went_on_without_us(epoch))
+        gathered = self._await(control, LeftOutWatch(control, matchmaking_time=self.config.matchmaking_time_s,
+                                                     went_on=lambda: self._went_on_without_us(epoch),
+                                                     started=round_.started), deadline=round_.deadline)
         with self.tracker.pause_updates():
             diverged = self._finish_round(round_, gathered)
         if diverged:
@@ -593,10 +586,10 @@ class DiLoCoOptimizer:
                 control.cancel()
             return None
 
-    def _await(self, control, *, started: float, deadline: float, went_on) -> dict | None:
+    def _await(self, control, watch: LeftOutWatch, *, deadline: float) -> dict | None:
         """Wait for a started round; the group's gathered data, or None if it failed. Gives up
-        early when ``went_on()`` says the swarm finished the round without us while we still look
-        for a group."""
+        early when ``watch`` finds the swarm finished the round without us: we download their
+        state while they are still there to serve it (they may be about to leave)."""
         try:
             while True:
                 try:
@@ -604,11 +597,7 @@ class DiLoCoOptimizer:
                 except TimeoutError:
                     if control.done() or time.monotonic() >= deadline:
                         raise
-                # Still looking for a group while others have already stepped past this epoch:
-                # their round went on without us. Stop waiting out the timeout; download their
-                # state while they are still there to serve it (they may be about to leave).
-                if (control.stage == AveragingStage.LOOKING_FOR_GROUP
-                        and time.monotonic() - started > self.config.matchmaking_time_s and went_on()):
+                if watch.left_out():
                     raise TimeoutError("the swarm finished this round without this peer")
         except BaseException as e:
             logger.log(self.status_loglevel, "averaging pseudo-gradients failed (%r); using this peer's own", e)

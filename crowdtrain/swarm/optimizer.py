@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
+from typing import Callable
 
 import bitsandbytes as bnb
 import hivemind
@@ -27,7 +28,8 @@ from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.swarm.hivemind_seam import check_hivemind_version
 from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam
 from crowdtrain.swarm.robust import make_aggregator
-from crowdtrain.swarm.rounds import RoundLog, RoundSummary, StateOffer, peers_behind, swarm_epoch_now, tag_along
+from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, peers_behind,
+                                     release_scheduled, swarm_epoch_now)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,83 @@ class StateUnavailable(RuntimeError):
     """No peer could serve the swarm's current state for a long time: the run is over or unreachable."""
 
 
+class CatchUp:
+    """Whether a sync-mode peer's parameters are the swarm's after its last rounds, and what it
+    does about it. One of:
+
+    - in step: nothing to do;
+    - lost (``lost_epoch``): the swarm finished that epoch's round without this peer (or with the
+      whole average while ours was partial); its step used its own gradients, so it downloads
+      the swarm's state at its next step, or before it leaves;
+    - partial (``partial_epoch`` until ``partial_deadline``): the round returned part of the
+      average (a groupmate failed, we kept our own gradients there). If a groupmate reports that
+      round done in full by the deadline, this peer is lost; if none does, every member's result
+      was partial, nobody holds a better state, and this peer is in step again.
+
+    While lost or partial the peer offers its state below its groupmates' (``off_step``). Also
+    how long the newest state any peer served has stayed behind the swarm (``behind_since``):
+    past ``give_up_s`` the peer stops (:class:`StateUnavailable`)."""
+
+    def __init__(self):
+        self.lost_epoch: int | None = None
+        self.partial_epoch: int | None = None
+        self.partial_deadline = 0.0  # monotonic
+        self._partial_read = 0.0  # monotonic, when we last asked the DHT about the partial round
+        self.behind_since: float | None = None  # monotonic
+
+    @property
+    def off_step(self) -> bool:
+        return self.lost_epoch is not None or self.partial_epoch is not None
+
+    def lose(self, epoch: int) -> None:
+        self.lost_epoch = epoch
+
+    def partial(self, epoch: int, deadline: float) -> None:
+        self.partial_epoch, self.partial_deadline = epoch, deadline
+
+    def resolve_partial(self, finished_in_full: Callable[[int], bool], *, wait: bool) -> bool:
+        """Settle a partial round: ``finished_in_full(epoch)`` asks whether a groupmate reports it
+        done with the whole average. ``wait``: poll until settled (before leaving), else ask at
+        most once a second. True if the peer is in step again (offer its state again)."""
+        while self.partial_epoch is not None:
+            epoch, now = self.partial_epoch, time.monotonic()
+            if wait or now - self._partial_read >= 1.0:
+                self._partial_read = now
+                if finished_in_full(epoch):
+                    logger.warning("epoch %d's round returned part of the average to this peer only; "
+                                   "downloading the state of peers that averaged in full", epoch)
+                    self.partial_epoch, self.lost_epoch = None, epoch
+                    return False
+            if now >= self.partial_deadline:
+                self.partial_epoch = None
+                return self.lost_epoch is None
+            if not wait:
+                return False
+            time.sleep(0.5)
+        return False
+
+    def start_download(self) -> int | None:
+        """The lost epoch the download below is for (None: a plain catch-up); no longer lost."""
+        lost, self.lost_epoch = self.lost_epoch, None
+        return lost
+
+    def download_failed(self, lost: int | None) -> None:
+        """Nobody served a state: still holding the step the swarm did not take."""
+        if lost is not None:
+            self.lost_epoch = lost
+
+    def still_behind(self, *, started: float, give_up_s: float) -> float | None:
+        """The newest state served is still behind the swarm: seconds it has been so, if past
+        ``give_up_s`` (the caller stops), else None."""
+        if self.behind_since is None:
+            self.behind_since = started
+        behind = time.monotonic() - self.behind_since
+        return behind if behind > give_up_s else None
+
+    def caught_up(self) -> None:
+        self.behind_since = None
+
+
 class SwarmOptimizer(OptimizerSeam):
     """Sync mode: hivemind.Optimizer's gradient accumulation, delayed updates and state averaging,
     driven through the hooks of :class:`crowdtrain.swarm.hivemind_seam.optimizer.OptimizerSeam`
@@ -116,16 +195,11 @@ class SwarmOptimizer(OptimizerSeam):
                  state_uploads: dict | None = None, **kwargs):
         super().__init__(*args, access_guard=access_guard, state_uploads=state_uploads, **kwargs)
         self.give_up_s = give_up_s
-        self._behind_since: float | None = None
         self.rounds = RoundLog()
         self.offer = StateOffer(self.state_averager, client_mode=self.client_mode)
+        self.catch_up = CatchUp()
         self.signer = signer
-        self._lost_round: int | None = None  # an epoch whose round went on without this peer
         self.final_epoch = final_epoch  # this peer leaves on reaching it (``join --max-epochs``)
-        # A round that returned part of the average to us: (epoch, monotonic deadline to learn
-        # whether some groupmate got all of it), and when we last asked the DHT.
-        self._partial_round: tuple[int, float] | None = None
-        self._partial_checked = 0.0
         self._published = None  # the store of our latest round record
         self.ledger = swarm_metrics.Ledger()
 
@@ -164,7 +238,7 @@ class SwarmOptimizer(OptimizerSeam):
                 upstream()
             finally:
                 self.average_state_every = every
-        if self._lost_round is not None or self._partial_round is not None:
+        if self.catch_up.off_step:
             self._demote_state()  # hivemind just offered our state at the new epoch
 
     def around_gradient_round_start(self, upstream) -> bool:
@@ -185,14 +259,14 @@ class SwarmOptimizer(OptimizerSeam):
         epoch = self.local_epoch - 1 if self.delay_grad_averaging else self.local_epoch
         swarm_peers = self.tracker.global_progress.num_peers
         triggered_unix = time.time()
+        # Read before the wait below: the round may end during it.
+        averaged_before, missing_before = self._weight_averaged(), self._elements_missing()
         allreduce_unix, left_out = self._wait_for_allreduce_start(maybe_step_control, epoch)
         if left_out:
             logger.warning("the swarm finished epoch %d's round without this peer; it will download their state",
                            epoch)
             self._demote_state()
             maybe_step_control.cancel()
-        missing_before = self._elements_missing()
-        averaged_before = self._weight_averaged()
         upstream()
         # A groupmate that failed mid-round never sent us its part of the average: we kept our own
         # gradients there, so our step differs from the group's (by up to one update in those
@@ -212,19 +286,20 @@ class SwarmOptimizer(OptimizerSeam):
             # would not bring us back for several epochs. Download their state at the next step.
             logger.warning("epoch %d's round went on without this peer; it will download their state", epoch)
             self._demote_state()
-            self._lost_round = epoch
+            self.catch_up.lose(epoch)
         elif partial and swarm_peers >= 2:
             # Groupmates that got the whole average finish later (their reducers wait out the
             # failed peer) and then publish their round record: look for one at the next steps
-            # (``_resolve_partial_round``), and offer our state to nobody meanwhile.
+            # (``CatchUp.resolve_partial``), and offer our state below theirs meanwhile.
             self._demote_state()
-            self._partial_round = (epoch, time.monotonic() + 2 * self.next_chunk_timeout + self.matchmaking_time)
+            self.catch_up.partial(epoch, time.monotonic() + 2 * self.next_chunk_timeout + self.matchmaking_time)
+        lost = self.catch_up.lost_epoch == epoch
         weight = maybe_step_control.weight if maybe_step_control is not None else 0.0
         credited = self.ledger.credit(epoch=epoch, samples=weight, group_size=group_size, swarm_peers=swarm_peers,
-                                      discarded=self._lost_round == epoch)
+                                      discarded=lost)
         self.rounds.append(RoundSummary(
             epoch=epoch, group_size=group_size, swarm_peers=swarm_peers, triggered_unix=triggered_unix,
-            allreduce_unix=allreduce_unix, done_unix=time.time(), left_out=self._lost_round == epoch, partial=partial,
+            allreduce_unix=allreduce_unix, done_unix=time.time(), left_out=lost, partial=partial,
             weight=weight, credited=credited, round_weight=self._weight_averaged() - averaged_before))
 
     def _demote_state(self) -> None:
@@ -254,47 +329,24 @@ class SwarmOptimizer(OptimizerSeam):
         out the averaging timeout then only lets the others leave before we download their state."""
         if control is None:
             return None, False
-        started = time.monotonic()
-        deadline = started + self.averaging_timeout
-        next_check = started + self.matchmaking_time
+        watch = LeftOutWatch(control, matchmaking_time=self.matchmaking_time,
+                             went_on=lambda: self._others_finished(epoch))
+        deadline = watch.started + self.averaging_timeout
         while not control.done() and time.monotonic() < deadline:
             if control.stage == AveragingStage.RUNNING_ALLREDUCE:
                 return time.time(), False
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + 1.0
-                if control.stage == AveragingStage.LOOKING_FOR_GROUP and self._others_finished(epoch):
-                    return None, not control.done()
+            if watch.left_out():
+                return None, not control.done()
             time.sleep(0.005)
         return None, False
 
     def _resolve_partial_round(self, *, wait: bool) -> None:
-        """After a round that returned only part of the average to us (a groupmate failed, we kept
-        our own gradients there): if a groupmate reports that round done with the whole average,
-        our step differs from theirs, so download their state (``_lost_round``). If none does by
-        the deadline, every member's result was partial and nobody holds a better state: offer
-        ours again. ``wait``: poll until decided (before leaving), else ask at most once a second."""
-        while self._partial_round is not None:
-            epoch, deadline = self._partial_round
-            now = time.monotonic()
-            if wait or now - self._partial_checked >= 1.0:
-                self._partial_checked = now
-                if self._others_finished(epoch):
-                    logger.warning("epoch %d's round returned part of the average to this peer only; "
-                                   "downloading the state of peers that averaged in full", epoch)
-                    self._partial_round, self._lost_round = None, epoch
-                    return
-            if now >= deadline:
-                self._partial_round = None
-                if self._lost_round is None:
-                    self.offer.offer(self.local_epoch)
-                return
-            if not wait:
-                return
-            time.sleep(0.5)
+        if self.catch_up.resolve_partial(self._others_finished, wait=wait):
+            self.offer.offer(self.local_epoch)
 
     def should_catch_up(self, upstream) -> bool:
         self._resolve_partial_round(wait=False)
-        return self._lost_round is not None or upstream()
+        return self.catch_up.lost_epoch is not None or upstream()
 
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind's catch-up, bounded and without its second download (see below). hivemind
@@ -303,17 +355,11 @@ class SwarmOptimizer(OptimizerSeam):
         the run is over) did that for good. Here a download that keeps failing, or a peer that
         stays behind after downloading, gives up after ``give_up_s`` with
         :class:`StateUnavailable`, which ``crowdtrain join`` reports."""
-        control = self.scheduled_grads
-        if control is not None and not control.done():
-            if not control.triggered and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
-                # A round scheduled ahead that no group waits on yet: hivemind tags along, which
-                # blocks here until that round ends, maybe an epoch away (seen: 25 s).
-                control.cancel()
-            else:
-                tag_along(control, self.averaging_timeout)  # do not stall the group
-            self.scheduled_grads = None
+        # hivemind tags along a round scheduled ahead even when no group waits on it yet.
+        release_scheduled(self.scheduled_grads, self.averaging_timeout)
+        self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
-        lost, self._lost_round = self._lost_round, None
+        lost = self.catch_up.start_download()
         if lost is not None:
             self.offer.withdraw()
         started = time.monotonic()
@@ -338,27 +384,34 @@ class SwarmOptimizer(OptimizerSeam):
             # Read afresh: the paused tracker's view is as old as the download, which on a slow
             # link spans epochs; hivemind's stale check sent such a peer to download again.
             global_epoch = swarm_epoch_now(self.tracker)
-            if got_state and global_epoch - 1 <= self.local_epoch < global_epoch:
+            # A state one epoch behind the swarm's progress (states are labelled with the epoch of
+            # their parameters, ConsistentStateAverager): the round into the swarm's epoch is still
+            # running (its donors' update is in flight), or it ended during our download. Running:
+            # keep the label; the peer steps at once and joins that round. Taking the swarm's epoch
+            # there (as hivemind does), its next matchmaking would join that round as its own next
+            # one (group keys carry no epoch): its rounds one epoch off for the rest of the run.
+            # Ended (a peer reports it done): take the swarm's epoch, one update apart from the
+            # others until the next state round, rather than download again as slowly.
+            if got_state and self.local_epoch == global_epoch - 1 and self._others_finished(self.local_epoch):
                 logger.info("catching up with the swarm's epoch %d", global_epoch)
                 self.state_averager.local_epoch = global_epoch
-            if not got_state and lost is not None:
-                self._lost_round = lost  # still holding the step the swarm did not take: again next step
+            if not got_state:
+                self.catch_up.download_failed(lost)  # still holding the step the swarm did not take
             if self.local_epoch < global_epoch - 1 or (not got_state and self.local_epoch < global_epoch):
                 # The newest state served is still behind, or nobody served one (its donors were
                 # busy, crowdtrain.swarm.hivemind_seam.state.StateUploadLimit): ask again at the next step, a
                 # moment from now.
                 time.sleep(1.0)
-                if self._behind_since is None:
-                    self._behind_since = started
-                if time.monotonic() - self._behind_since > self.give_up_s:
+                behind = self.catch_up.still_behind(started=started, give_up_s=self.give_up_s)
+                if behind is not None:
                     raise StateUnavailable(
                         f"the swarm reports epoch {global_epoch} but the newest state any peer served is epoch "
-                        f"{self.local_epoch}, for {time.monotonic() - self._behind_since:.0f}s")
+                        f"{self.local_epoch}, for {behind:.0f}s")
             else:
-                self._behind_since = None
+                self.catch_up.caught_up()
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
             self.offer.offer(self.local_epoch)
-            if self._lost_round is not None:
+            if self.catch_up.off_step:
                 self._demote_state()
             if self.use_gradient_averaging:
                 self.grad_averager.reset_accumulated_grads_()
@@ -380,7 +433,7 @@ class SwarmOptimizer(OptimizerSeam):
             except Exception as e:
                 logger.debug("could not publish the last round record: %r", e)
         self._resolve_partial_round(wait=True)
-        if self._lost_round is not None:  # our last step went without the swarm: end on theirs
+        if self.catch_up.lost_epoch is not None:  # our last step went without the swarm: end on theirs
             self.load_state_from_peers()
         last = self.last_round()
         if last is not None and 2 <= last.group_size < last.swarm_peers:

@@ -207,8 +207,8 @@ class WireStats:
     # parts_outlying: finite parts judged outliers (``Aggregator.aggregate_and_judge``).
     # suspects_found: senders judged suspect, summed over rounds (see ``SuspectPeers``).
     # parts_of_suspects_left_out: finite parts of suspects not aggregated.
-    # weight_averaged: per round, the senders' weights (samples) in the first part this peer
-    # reduced, summed over rounds: what the rounds averaged, seen from the aggregation side.
+    # weight_averaged: per round this peer finished, the senders' weights (samples) in the first
+    # part it reduced, summed over rounds: what the rounds averaged, seen from the aggregation side.
     FIELDS = ("bytes_sent", "aggregate_s", "parts_dropped", "parts_reduced", "rounds", "elements_missing",
               "group_lookups", "parts_outlying", "suspects_found", "parts_of_suspects_left_out",
               "weight_averaged")

@@ -1,6 +1,7 @@
 """What sync and DiLoCo mode share about averaging rounds: the typed record of a round, the
-peer's log of them, who offers its state to downloaders at what priority, how a peer that
-leaves a scheduled round (to download the state) lets its group finish without it, and what
+peer's log of them, who offers its state to downloaders at what priority, how a peer finds out
+that the swarm finished a round without it (:class:`LeftOutWatch`), how a peer that leaves a
+scheduled round (to download the state, or to go) lets its group finish without it, and what
 the swarm's progress records say (its epoch now, who is behind, whether it is at its start).
 
 A round record is what a peer's summary (``join --summary-file``), its metrics and the tests
@@ -19,7 +20,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
+
+from hivemind.averaging.control import AveragingStage
 
 from crowdtrain.swarm.hivemind_seam.records import progress_records, state_offers_key
 
@@ -119,6 +124,43 @@ class StateOffer:
         """Offer nothing (while we download: another peer left out of the same round would take ours)."""
         if not self.client_mode:
             self.averager.allow_state_sharing = False
+
+
+class LeftOutWatch:
+    """Whether the swarm finished a round without this peer, for both modes. A peer still looking
+    for a group a matchmaking time after its round started, while ``went_on()`` says that round
+    is over, was left out: waiting out the averaging timeout would only let the others leave
+    before it downloads their state. ``went_on`` is the mode's evidence, a DHT read: sync mode
+    reads the signed records of peers that finished the round in a group, DiLoCo the state offers
+    of a later epoch (its progress records move on when a round starts, so they cannot tell)."""
+
+    def __init__(self, control, *, matchmaking_time: float, went_on: Callable[[], bool],
+                 started: float | None = None):
+        self.control, self.went_on = control, went_on
+        self.started = time.monotonic() if started is None else started
+        self._next_read = self.started + matchmaking_time
+
+    def left_out(self, *, every: float = 1.0) -> bool:
+        """Check now. Reads the DHT at most once per ``every`` seconds: with a short ``every`` a
+        left-out peer starts its download sooner; each read asks several DHT peers."""
+        now = time.monotonic()
+        if now < self._next_read:
+            return False
+        self._next_read = now + every
+        return self.control.stage == AveragingStage.LOOKING_FOR_GROUP and bool(self.went_on())
+
+
+def release_scheduled(control, timeout: float) -> None:
+    """Leave a round this peer scheduled ahead (before a state download, or when it goes). One no
+    group waits on yet (not triggered, idle or still looking for a group) is cancelled: tagging
+    along would block until that round ends, maybe an epoch away (seen: 25 s). Otherwise tag along
+    (:func:`tag_along`), so the group does not stall waiting for us."""
+    if control is None or control.done():
+        return
+    if not control.triggered and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+        control.cancel()
+    else:
+        tag_along(control, timeout)
 
 
 def tag_along(control, timeout: float) -> None:

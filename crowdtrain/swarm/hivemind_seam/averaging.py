@@ -58,6 +58,9 @@ class RobustTensorPartReducer(TensorPartReducer):
         self._senders: dict[int, int] = {}
         self.parts_judged = [0] * num_senders  # per sender, this round
         self.parts_rejected = [0] * num_senders  # non-finite or outliers
+        # The senders' weights (samples) in the first part this peer reduced: what the round
+        # averaged, seen from the aggregation side (counted by the runner if the round succeeds).
+        self.weight_seen = 0.0
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -92,10 +95,10 @@ class RobustTensorPartReducer(TensorPartReducer):
                 if judged:
                     self.parts_judged[sender] += 1
                     self.parts_rejected[sender] += rejected
-            first = self.current_part_index == 0
+            if self.current_part_index == 0:
+                self.weight_seen = combined.weight_kept
             self.stats.add(aggregate_s=time.perf_counter() - t0, parts_dropped=combined.dropped, parts_reduced=1,
-                           parts_outlying=combined.outlying, parts_of_suspects_left_out=combined.suspects_left_out,
-                           weight_averaged=combined.weight_kept if first else 0.0)
+                           parts_outlying=combined.outlying, parts_of_suspects_left_out=combined.suspects_left_out)
             self.current_part_future.set_result(combined.result)
             self.reset_accumulators()
 
@@ -343,7 +346,10 @@ class RobustAveragerMixin:
         finally:
             # Also after a failed round: what the reducer judged holds.
             self._record_verdicts(runner.sender_verdicts())
-        self.wire_stats.add(rounds=1, elements_missing=runner.tensor_part_container.failed_size)
+        # Counted here, once the round succeeded, rather than by the reducer: a reducer that finished
+        # after its round failed for us would add its weight to our next round's.
+        self.wire_stats.add(rounds=1, elements_missing=runner.tensor_part_container.failed_size,
+                            weight_averaged=runner.tensor_part_reducer.weight_seen)
 
 
 @functools.lru_cache(maxsize=None)
