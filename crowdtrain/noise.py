@@ -33,6 +33,30 @@ class _DropPrefixes(logging.Filter):
         return not str(record.msg).startswith(self.prefixes)
 
 
+class _DropLostStreamHandlers(logging.Filter):
+    """asyncio's reports about hivemind's p2p stream handlers whose connection to the p2p daemon
+    closed while they waited (a groupmate cancelled its stream, or left). CPython 3.11's
+    StreamReaderProtocol drops its reference to the handler's task when the connection is lost, so
+    a handler still waiting is garbage-collected ("Task was destroyed but it is pending!"), and its
+    torn-down coroutine then fails twice more in the same way. The averaging round already treats
+    the lost stream as a failed sender; nothing in these lines is for the volunteer to act on.
+    Reports about any other task are kept."""
+
+    SYMPTOMS = (("Task was destroyed but it is pending", None),
+                ("Unhandled exception in client_connected_cb", "cannot reuse already awaited coroutine"),
+                ("Task exception was never retrieved", "aclose(): asynchronous generator is already running"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        error = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
+        for prefix, cause in self.SYMPTOMS:
+            if text.startswith(prefix):
+                if cause is None:
+                    return "hivemind/p2p/" not in text
+                return cause not in error and cause not in text
+        return True
+
+
 def drop_exit_noise() -> None:
     """Call when a process has shut down what it started and is about to exit: asyncio then
     reports each task of hivemind's background event loops that the interpreter's exit destroys
@@ -48,6 +72,9 @@ def drop_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
             logger.addFilter(_DropPrefixes(prefixes))
+    asyncio = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropLostStreamHandlers) for f in asyncio.filters):
+        asyncio.addFilter(_DropLostStreamHandlers())
     # hivemind's state averager builds the learning-rate schedule's first value by stepping the
     # scheduler before any optimizer step; torch warns that this skips the first value, which is
     # what hivemind intends (its epochs count from the swarm's, not from this process's steps).

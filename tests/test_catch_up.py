@@ -15,6 +15,7 @@ from hivemind.utils import get_dht_time
 
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.runspec.swarm import SwarmConfig
+from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam
 from crowdtrain.swarm.optimizer import CatchUp, StateUnavailable, SwarmOptimizer
 from crowdtrain.swarm.rounds import StateOffer
 
@@ -359,22 +360,26 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
     monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch",
                         lambda self, grad_scaler: seen.append(self.average_state_every % 3 == 0))
     monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging", lambda self: seen.append("scheduled"))
+    # hivemind.Optimizer's steps go through the seam to SwarmOptimizer's hooks.
+    seam = OptimizerSeam.__new__(OptimizerSeam)
     opt = SwarmOptimizer.__new__(SwarmOptimizer)
-    opt.average_state_every, opt.final_epoch = 3, 6
+    seam.hooks, opt.hivemind = opt, seam
+    seam._parent_pid = None  # not started: nothing for hivemind to shut down
+    seam.average_state_every, opt.final_epoch = 3, 6
     opt.catch_up = CatchUp()
-    opt.tracker = SimpleNamespace(global_epoch=0, global_progress=SimpleNamespace(num_peers=2))
-    opt.state_averager = SimpleNamespace(local_epoch=4)
-    opt._update_global_epoch(None)
-    opt._maybe_schedule_state_averaging()
+    seam.tracker = SimpleNamespace(global_epoch=0, global_progress=SimpleNamespace(num_peers=2))
+    seam.state_averager = SimpleNamespace(local_epoch=4)
+    seam._update_global_epoch(None)
+    seam._maybe_schedule_state_averaging()
     assert seen == [True, "scheduled"], "epoch 4 -> 5: as hivemind does"
     seen.clear()
-    opt.state_averager.local_epoch = 5
-    opt._update_global_epoch(None)
-    opt._maybe_schedule_state_averaging()
-    assert seen == [False] and opt.average_state_every == 3, "epoch 5 -> 6, the last: no state round"
+    seam.state_averager.local_epoch = 5
+    seam._update_global_epoch(None)
+    seam._maybe_schedule_state_averaging()
+    assert seen == [False] and seam.average_state_every == 3, "epoch 5 -> 6, the last: no state round"
     seen.clear()
     opt.final_epoch = None  # no --max-epochs: every step as hivemind does
-    opt._update_global_epoch(None)
+    seam._update_global_epoch(None)
     assert seen == [True]
 
 

@@ -2,10 +2,12 @@
 
 from types import SimpleNamespace
 
+import pytest
 from hivemind.averaging.control import AveragingStage
 
 from crowdtrain.swarm import rounds
-from crowdtrain.swarm.rounds import LeftOutWatch, RoundLog, RoundSummary, StateOffer, release_scheduled, tag_along
+from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, Trainer, release_scheduled,
+                                     tag_along)
 
 
 def test_a_round_record_leaves_out_what_its_mode_does_not_measure():
@@ -115,3 +117,28 @@ def test_a_scheduled_round_nobody_waits_on_is_cancelled_and_one_with_a_group_is_
     finished = control(AveragingStage.FINISHED, done=True)
     release_scheduled(finished, 5.0)
     assert not finished.cancelled and len(tagged) == 3
+
+
+@pytest.mark.timeout(120)
+def test_both_modes_give_the_training_loop_one_interface():
+    import dataclasses
+
+    import hivemind
+    import torch
+
+    from crowdtrain.runspec.swarm import demo_swarm_config
+    from crowdtrain.swarm.optimizer import build_optimizer
+
+    dht = hivemind.DHT(start=True)
+    try:
+        for mode in ("sync", "diloco"):
+            config = dataclasses.replace(demo_swarm_config(f"interface-{mode}"), mode=mode)
+            opt = build_optimizer(dht, torch.nn.Linear(4, 4), config, batch_size=4)
+            try:
+                assert isinstance(opt, Trainer), f"{mode}: {type(opt).__name__} lacks part of the trainer interface"
+                assert opt.local_epoch == 0 and opt.last_round() is None and len(opt.rounds) == 0
+                assert opt.state_averager.upload_stats() is not None, "the loop reports its state uploads"
+            finally:
+                opt.shutdown()
+    finally:
+        dht.shutdown()

@@ -225,9 +225,8 @@ class OpenRound:
 
 
 class DiLoCoOptimizer:
-    """The trainer's side, with the interface ``crowdtrain.swarm.peer`` uses (as SwarmOptimizer):
-    ``step()`` after ``backward()``, ``zero_grad()``, ``local_epoch``, ``load_state_from_peers()``,
-    ``rounds``/``last_round()``, ``averaging_stats()``, ``finish_pending_updates()``, ``shutdown()``."""
+    """The trainer's side, with the interface ``crowdtrain.swarm.peer`` uses
+    (:class:`crowdtrain.swarm.rounds.Trainer`, as SwarmOptimizer)."""
 
     def __init__(self, *, dht, model: torch.nn.Module, config: SwarmConfig, batch_size: int,
                  client_mode: bool = False, attack=None, verbose: bool = False, access_guard=None,
@@ -276,6 +275,11 @@ class DiLoCoOptimizer:
     def local_epoch(self) -> int:
         """The epoch of the global parameters this peer holds."""
         return self.averager.local_epoch
+
+    @property
+    def state_averager(self) -> DiLoCoAverager:
+        """The averager that serves this peer's state (the global parameters) to downloaders."""
+        return self.averager
 
     @property
     def _progress_epoch(self) -> int:

@@ -26,7 +26,7 @@ from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.swarm.hivemind_seam import check_hivemind_version
-from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam
+from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam, RoundHooks
 from crowdtrain.swarm.robust import make_aggregator
 from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, peers_behind,
                                      release_scheduled, swarm_epoch_now)
@@ -177,12 +177,28 @@ class CatchUp:
         self.behind_since = None
 
 
-class SwarmOptimizer(OptimizerSeam):
-    """Sync mode: hivemind.Optimizer's gradient accumulation, delayed updates and state averaging,
-    driven through the hooks of :class:`crowdtrain.swarm.hivemind_seam.optimizer.OptimizerSeam`
-    (whose averagers aggregate with the run's rule and refuse peers without a valid access token).
-    It logs each round (``rounds``, :class:`crowdtrain.swarm.rounds.RoundSummary`), credits its
-    ledger, and offers its state through :class:`crowdtrain.swarm.rounds.StateOffer`.
+def _from_hivemind(name: str, *, writable: bool = False) -> property:
+    """An attribute of the hivemind.Optimizer that SwarmOptimizer holds (public ones only)."""
+
+    def get(self):
+        return getattr(self.hivemind, name)
+
+    def set_(self, value):
+        setattr(self.hivemind, name, value)
+
+    return property(get, set_ if writable else None, doc=f"hivemind.Optimizer's ``{name}``")
+
+
+class SwarmOptimizer(RoundHooks):
+    """Sync mode: hivemind.Optimizer's gradient accumulation, delayed updates and state averaging
+    (``self.hivemind``, a :class:`crowdtrain.swarm.hivemind_seam.optimizer.OptimizerSeam`, whose
+    averagers aggregate with the run's rule and refuse peers without a valid access token), with
+    this object as its hooks: what happens at each step into a new epoch, each gradient round and
+    each catch-up is decided here. It has the trainer's interface that DiLoCoOptimizer has (``step``,
+    ``zero_grad``, ``local_epoch``, ``load_state_from_peers``, ``rounds``/``last_round``,
+    ``averaging_stats``, ``finish_pending_updates``, ``shutdown``), logs each round
+    (:class:`crowdtrain.swarm.rounds.RoundSummary`), credits its ledger, and offers its state
+    through :class:`crowdtrain.swarm.rounds.StateOffer`.
 
     A peer left out of a round (the others formed a group without it) would, in hivemind, step
     with its own gradients and train on a diverged model until the next state averaging. Here
@@ -190,18 +206,53 @@ class SwarmOptimizer(OptimizerSeam):
     (``crowdtrain.swarm.metrics.publish_round``); a peer still looking for that round's group stops
     waiting, and downloads the group's state at its next step (or before it leaves)."""
 
-    def __init__(self, *args, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
+    def __init__(self, *, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
                  signer: RSASignatureValidator | None = None, final_epoch: int | None = None,
-                 state_uploads: dict | None = None, **kwargs):
-        super().__init__(*args, access_guard=access_guard, state_uploads=state_uploads, **kwargs)
+                 state_uploads: dict | None = None, **hivemind_kwargs):
         self.give_up_s = give_up_s
         self.rounds = RoundLog()
-        self.offer = StateOffer(self.state_averager, client_mode=self.client_mode)
         self.catch_up = CatchUp()
         self.signer = signer
         self.final_epoch = final_epoch  # this peer leaves on reaching it (``join --max-epochs``)
         self._published = None  # the store of our latest round record
         self.ledger = swarm_metrics.Ledger()
+        # hivemind.Optimizer's arguments (hivemind_kwargs) and the seam's: the averagers' access guard
+        # and state upload limit, the aggregation rule, the attack (tests only).
+        self.hivemind = OptimizerSeam(hooks=self, access_guard=access_guard, state_uploads=state_uploads,
+                                      **hivemind_kwargs)
+        self.offer = StateOffer(self.state_averager, client_mode=self.client_mode)
+
+    # What sync mode reads of the hivemind.Optimizer it holds (and sets: the round it scheduled
+    # ahead, and the state-averaging period for the step into its last epoch).
+    local_epoch = _from_hivemind("local_epoch")
+    tracker = _from_hivemind("tracker")
+    grad_averager = _from_hivemind("grad_averager")
+    state_averager = _from_hivemind("state_averager")
+    dht = _from_hivemind("dht")
+    run_id = _from_hivemind("run_id")
+    client_mode = _from_hivemind("client_mode")
+    matchmaking_time = _from_hivemind("matchmaking_time")
+    averaging_timeout = _from_hivemind("averaging_timeout")
+    next_chunk_timeout = _from_hivemind("next_chunk_timeout")
+    load_state_timeout = _from_hivemind("load_state_timeout")
+    delay_grad_averaging = _from_hivemind("delay_grad_averaging")
+    use_gradient_averaging = _from_hivemind("use_gradient_averaging")
+    scheduled_grads = _from_hivemind("scheduled_grads", writable=True)
+    average_state_every = _from_hivemind("average_state_every", writable=True)
+
+    def step(self, *args, **kwargs):
+        """hivemind.Optimizer.step: accumulate this batch's gradients; at the swarm's target batch,
+        the round and the optimizer step (through the hooks below)."""
+        return self.hivemind.step(*args, **kwargs)
+
+    def zero_grad(self, **kwargs) -> None:
+        self.hivemind.zero_grad(**kwargs)
+
+    def averaging_stats(self) -> dict:
+        return self.hivemind.averaging_stats()
+
+    def shutdown(self) -> None:
+        self.hivemind.shutdown()
 
     def _last_step_ahead(self) -> bool:
         next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
@@ -343,6 +394,9 @@ class SwarmOptimizer(OptimizerSeam):
     def _resolve_partial_round(self, *, wait: bool) -> None:
         if self.catch_up.resolve_partial(self._others_finished, wait=wait):
             self.offer.offer(self.local_epoch)
+
+    def around_catch_up(self, upstream) -> None:
+        self.load_state_from_peers()  # in place of hivemind's (below)
 
     def should_catch_up(self, upstream) -> bool:
         self._resolve_partial_round(wait=False)

@@ -268,7 +268,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
                "epochs": [], "rounds": []}
     try:
         t_join = time.perf_counter()
-        state_keeper = getattr(optimizer, "state_averager", None) or optimizer.averager
+        state_keeper = optimizer.state_averager
         if initial is not None and not same_start:
             logger.info("this peer's initial model differs from the run's (another torch version?); "
                         "downloading the state")
@@ -324,7 +324,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         summary["bootstrap_reconnects"] = bootstrap_watch.reconnects
         summary["rounds"] = optimizer.rounds.to_dicts()
         summary["averaging"] = optimizer.averaging_stats()
-        summary["state_uploads"] = (getattr(optimizer, "state_averager", None) or optimizer.averager).upload_stats()
+        summary["state_uploads"] = optimizer.state_averager.upload_stats()
         summary["final_epoch"] = optimizer.local_epoch
         if config.save_final:
             from safetensors.torch import save_file

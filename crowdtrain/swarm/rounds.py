@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from hivemind.averaging.control import AveragingStage
 
@@ -124,6 +124,37 @@ class StateOffer:
         """Offer nothing (while we download: another peer left out of the same round would take ours)."""
         if not self.client_mode:
             self.averager.allow_state_sharing = False
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """What ``crowdtrain.swarm.peer``'s training loop uses of a mode's optimizer
+    (``crowdtrain.swarm.optimizer.SwarmOptimizer``, ``crowdtrain.swarm.diloco.DiLoCoOptimizer``)."""
+
+    rounds: RoundLog
+    ledger: Any  # crowdtrain.swarm.metrics.Ledger: the samples its rounds credited
+    tracker: Any  # hivemind's ProgressTracker: the swarm's progress
+    state_averager: Any  # the averager that serves this peer's state to downloaders
+
+    @property
+    def local_epoch(self) -> int: ...
+
+    def step(self) -> None:
+        """After ``backward()``: this batch counts toward the swarm's; at the target, a round."""
+
+    def zero_grad(self) -> None: ...
+
+    def load_state_from_peers(self) -> None:
+        """Download the swarm's newest state (at join, and when the parameters went bad)."""
+
+    def last_round(self) -> RoundSummary | None: ...
+
+    def averaging_stats(self) -> dict: ...
+
+    def finish_pending_updates(self) -> None:
+        """Before leaving: apply what is in flight and end on the swarm's state."""
+
+    def shutdown(self) -> None: ...
 
 
 class LeftOutWatch:

@@ -191,9 +191,10 @@ SEAMS: tuple[Seam, ...] = (
          "hivemind.optim.progress_tracker:ProgressTracker._parse_swarm_progress_data", "override",
          "a suspect's samples do not count toward the target batch",
          _ROBUST + "test_the_progress_tracker_does_not_count_a_suspects_samples_toward_the_target", "1b5ad87469d3c13f"),
-    Seam("crowdtrain.swarm.optimizer:SwarmOptimizer.load_state_from_peers",
+    Seam(f"{_O}:OptimizerSeam.load_state_from_peers",
          "hivemind.optim.optimizer:Optimizer.load_state_from_peers", "public-override",
-         "catch-up bounded by give_up_s, the state only (not the gradient buffers), relabel only with a state",
+         "through the around_catch_up hook, sync mode's catch-up (SwarmOptimizer.load_state_from_peers): bounded "
+         "by give_up_s, the state only (not the gradient buffers), relabelled only with a state",
          _CATCH + "test_catching_up_downloads_the_state_once_not_the_gradient_buffers_too", "87030a961ecf8f7f",
          upstream_fix="load_state_from_peers: do not download the gradient averager's accumulators (fp32, "
                       "uncompressed), which are zeroed right after"),

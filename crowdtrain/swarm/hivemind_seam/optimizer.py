@@ -1,10 +1,11 @@
 """hivemind.Optimizer's internal steps, each handed to a hook that crowdtrain's sync mode defines.
 
 :class:`OptimizerSeam` overrides hivemind.Optimizer's private methods and nothing else does: each
-override passes the upstream method, bound and ready to call, to a public hook (``around_*``,
-``should_catch_up``) whose default is hivemind's behaviour. ``crowdtrain.swarm.optimizer``'s
-SwarmOptimizer implements the hooks without touching a hivemind internal. Every override is an
-entry of ``crowdtrain.swarm.hivemind_seam.SEAMS`` (upstream code, why, canary test).
+override passes the upstream method, bound and ready to call, to a hook of a :class:`RoundHooks`
+object (``around_*``, ``should_catch_up``) whose defaults are hivemind's behaviour.
+``crowdtrain.swarm.optimizer``'s SwarmOptimizer holds an OptimizerSeam (it does not extend it, as
+DiLoCo mode holds its averager) and is its hooks, without touching a hivemind internal. Every
+override is an entry of ``crowdtrain.swarm.hivemind_seam.SEAMS`` (upstream code, why, canary test).
 """
 
 from __future__ import annotations
@@ -51,35 +52,9 @@ class SuspectAwareProgressTracker(ProgressTracker):
 
 
 
-class OptimizerSeam(hivemind.Optimizer):
-    """hivemind.Optimizer whose gradient and state averagers aggregate robustly, refuse peers
-    without a token (``access_guard``), serve consistent states with an upload limit
-    (``state_uploads``), and whose epoch, round and catch-up steps go through hooks.
-
-    Gradients get the run's aggregation rule with results as values (every peer applies the same
-    bits); parameter averaging gets the same rule on differences. ``attack`` applies to what this
-    peer sends for gradients only.
-    """
-
-    def __init__(self, *args, aggregator: Aggregator | None = None, attack=None, access_guard=None,
-                 state_uploads: dict | None = None, **kwargs):
-        from crowdtrain.swarm.auth import guarded
-
-        # Read while hivemind.Optimizer.__init__ builds the averagers and the tracker.
-        self._aggregator = aggregator or MeanAggregator()
-        self._attack = attack
-        self._averager_opts = dict(kwargs.get("averager_opts") or {})
-        self.access_guard = access_guard
-        self._state_uploads = state_uploads or {}
-        # Judged in gradient rounds only (the state averager gets none): parameters of a peer that
-        # missed a round differ honestly.
-        self.suspects = SuspectPeers()
-        if access_guard is not None:
-            kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
-                                                      access_guard)
-        super().__init__(*args, **kwargs)
-
-    # -- the hooks (defaults: hivemind's behaviour)
+class RoundHooks:
+    """What sync mode decides at hivemind.Optimizer's internal steps. Each hook gets the upstream
+    step (bound, ready to call); these defaults call it, as hivemind does."""
 
     def around_global_epoch_update(self, upstream: Callable[[], None]) -> None:
         """The step into the next global epoch (gradient round, optimizer step, state round)."""
@@ -102,23 +77,61 @@ class OptimizerSeam(hivemind.Optimizer):
         """Whether to download the swarm's state before this step (upstream: behind the swarm)."""
         return upstream()
 
+    def around_catch_up(self, upstream: Callable[[], None]) -> None:
+        """Downloading the swarm's state, when ``should_catch_up`` said so."""
+        upstream()
+
+
+class OptimizerSeam(hivemind.Optimizer):
+    """hivemind.Optimizer whose gradient and state averagers aggregate robustly, refuse peers
+    without a token (``access_guard``), serve consistent states with an upload limit
+    (``state_uploads``), and whose epoch, round and catch-up steps go through hooks.
+
+    Gradients get the run's aggregation rule with results as values (every peer applies the same
+    bits); parameter averaging gets the same rule on differences. ``attack`` applies to what this
+    peer sends for gradients only.
+    """
+
+    def __init__(self, *args, hooks: RoundHooks | None = None, aggregator: Aggregator | None = None, attack=None,
+                 access_guard=None, state_uploads: dict | None = None, **kwargs):
+        from crowdtrain.swarm.auth import guarded
+
+        self.hooks = hooks if hooks is not None else RoundHooks()
+        # Read while hivemind.Optimizer.__init__ builds the averagers and the tracker.
+        self._aggregator = aggregator or MeanAggregator()
+        self._attack = attack
+        self._averager_opts = dict(kwargs.get("averager_opts") or {})
+        self.access_guard = access_guard
+        self._state_uploads = state_uploads or {}
+        # Judged in gradient rounds only (the state averager gets none): parameters of a peer that
+        # missed a round differ honestly.
+        self.suspects = SuspectPeers()
+        if access_guard is not None:
+            kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
+                                                      access_guard)
+        super().__init__(*args, **kwargs)
+
     # -- hivemind.Optimizer's internals, each through its hook
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        self.around_global_epoch_update(functools.partial(super()._update_global_epoch, grad_scaler))
+        self.hooks.around_global_epoch_update(functools.partial(super()._update_global_epoch, grad_scaler))
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
-        return self.around_gradient_round_start(functools.partial(super()._begin_averaging_gradients, grad_scaler))
+        return self.hooks.around_gradient_round_start(
+            functools.partial(super()._begin_averaging_gradients, grad_scaler))
 
     def _maybe_schedule_state_averaging(self) -> None:
-        self.around_state_round_scheduling(super()._maybe_schedule_state_averaging)
+        self.hooks.around_state_round_scheduling(super()._maybe_schedule_state_averaging)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
-        self.around_gradient_round(maybe_step_control, functools.partial(
+        self.hooks.around_gradient_round(maybe_step_control, functools.partial(
             super()._average_gradients_and_load_into_optimizer, maybe_step_control))
 
     def _should_load_state_from_peers(self) -> bool:
-        return self.should_catch_up(super()._should_load_state_from_peers)
+        return self.hooks.should_catch_up(super()._should_load_state_from_peers)
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        self.hooks.around_catch_up(functools.partial(super().load_state_from_peers, **kwargs))
 
     # -- the averagers and the tracker hivemind.Optimizer builds
 
