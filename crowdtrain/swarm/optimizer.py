@@ -194,9 +194,8 @@ class SwarmOptimizer(RoundHooks):
     (``self.hivemind``, a :class:`crowdtrain.swarm.hivemind_seam.optimizer.OptimizerSeam`, whose
     averagers aggregate with the run's rule and refuse peers without a valid access token), with
     this object as its hooks: what happens at each step into a new epoch, each gradient round and
-    each catch-up is decided here. It has the trainer's interface that DiLoCoOptimizer has (``step``,
-    ``zero_grad``, ``local_epoch``, ``load_state_from_peers``, ``rounds``/``last_round``,
-    ``averaging_stats``, ``finish_pending_updates``, ``shutdown``), logs each round
+    each catch-up is decided here. It has the trainer's interface, as DiLoCoOptimizer
+    (:class:`crowdtrain.swarm.rounds.Trainer`), logs each round
     (:class:`crowdtrain.swarm.rounds.RoundSummary`), credits its ledger, and offers its state
     through :class:`crowdtrain.swarm.rounds.StateOffer`.
 
