@@ -121,6 +121,7 @@ class AuxPeer:
                 max_state_uploads=self.swarm.max_state_uploads, allow_state_sharing=True, start=True)
         self.last_checkpoint_epoch = self._resume()
         self.seen: dict[str, float] = {}
+        self.round_health = swarm_metrics.RoundHealth()  # the status page's "rounds are failing"
         # Dropped records: counts by reason, the stored versions already counted (until they
         # expire), and the kinds of failure already logged (each is logged once, then counted).
         self.dropped: dict[str, int] = {}
@@ -209,6 +210,7 @@ class AuxPeer:
 
     def collect(self) -> list[swarm_metrics.PeerMetrics]:
         records = self.screen(swarm_metrics.fetch(self.dht, self.swarm.run_id))
+        self.round_health.add(records, now=time.time())
         fresh = [r for r in records if self.seen.get(r.peer_id) != r.time]
         if fresh:
             files.append_metrics(self.run_dir, [r.dict() for r in fresh])
@@ -237,7 +239,8 @@ class AuxPeer:
             epoch=epoch, peers=[r.dict() for r in live], updated=time.time(),
             last_checkpoint_epoch=self.last_checkpoint_epoch, samples_per_second=rate,
             total_epochs=self.swarm.total_epochs, target_batch_size=self.swarm.target_batch_size,
-            metrics_records_refused=int(self.refused_records.value), metrics_records_dropped=self.dropped)
+            metrics_records_refused=int(self.refused_records.value), metrics_records_dropped=self.dropped,
+            rounds=self.round_health.summary())
         files.write_json_atomic(self.run_dir / files.STATUS, status.to_dict())
         return live
 

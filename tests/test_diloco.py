@@ -265,3 +265,81 @@ def test_the_eager_estimate_is_the_outer_step_on_our_own_pseudo_gradient():
             outer.step()
             for p, e in zip(params, estimate):
                 torch.testing.assert_close(e, p.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_lost_branch_waits_only_while_a_groupmate_may_still_publish_the_whole_average():
+    """After a failed or partial round, a peer waits for a groupmate's state of the new epoch, but
+    never downloads an older one (the coordinator's last checkpoint, once a second), never waits
+    when it was in no group, and stops as soon as every known groupmate withdrew its offer."""
+    from crowdtrain.swarm.diloco import LostRound, lost_branch_verdict
+
+    def verdict(offers, lost, waited_s=0.0):
+        return lost_branch_verdict(offers, me=b"me", wanted_epoch=5, lost=lost, waited_s=waited_s, bound_s=18.0)
+
+    aux_checkpoint = {b"aux": 4.0, b"me": None}
+    # No group at all ("could not find a group"): nobody to wait for; nothing older is fetched.
+    assert verdict(aux_checkpoint, LostRound(epoch=5, grouped=False)) == "give_up"
+    # A plain catch-up: only a newer state than ours is worth a download.
+    assert verdict(aux_checkpoint, None) == "give_up"
+    assert verdict({b"aux": 4.0, b"b": 5.002}, None) == "download"
+    # The DHT did not answer: try (the download itself refuses an older state).
+    assert verdict(None, LostRound(epoch=5, grouped=False)) == "download"
+    # Our own offer of the new epoch is not a winner's.
+    assert verdict({b"me": 5.001}, None) == "give_up"
+    # Groupmates known from the gathered data: wait while one still offers its state from before
+    # the round, stop once each withdrew (it got a partial average too), download a winner's.
+    mates = LostRound(epoch=5, grouped=True, groupmates=frozenset({b"b", b"c"}))
+    assert verdict({b"aux": 4.0, b"b": 4.002, b"c": None}, mates) == "wait"
+    assert verdict({b"aux": 4.0, b"b": None, b"c": None}, mates) == "give_up"
+    assert verdict({b"aux": 4.0, b"b": None}, mates) == "give_up"  # c's offer expired: it left
+    assert verdict({b"aux": 4.0, b"b": 5.002, b"c": None}, mates) == "download"
+    # In a group whose members are unknown (the all-reduce failed before it gathered): wait, up to the bound.
+    unknown = LostRound(epoch=5, grouped=True)
+    assert verdict(aux_checkpoint, unknown, waited_s=3.0) == "wait"
+    assert verdict(aux_checkpoint, unknown, waited_s=18.0) == "give_up"
+    assert verdict({b"b": 4.0}, mates, waited_s=18.0) == "give_up"
+
+
+def test_a_peer_whose_round_found_no_group_goes_on_at_once_and_downloads_nothing_older(monkeypatch):
+    """The fresh-run stall: both peers' round failed with "could not find a group", and each then
+    downloaded the coordinator's epoch-0 state once a second for 30 s, only to keep its own. Now
+    the offers are read first: no download, no wait; a real winner's state is still taken."""
+    import contextlib
+    import logging
+    from types import SimpleNamespace
+
+    from crowdtrain.runspec.swarm import laptop_swarm_config
+    from crowdtrain.swarm import diloco
+    from crowdtrain.swarm.diloco import DiLoCoOptimizer, LostRound
+
+    sleeps = []
+    monkeypatch.setattr(diloco.time, "sleep", lambda s: sleeps.append(s))
+
+    def fake(offers: dict, lost: LostRound | None):
+        stored = {peer: SimpleNamespace(value=v) for peer, v in offers.items()}
+        downloads = []
+
+        def download(*, timeout, min_epoch):
+            downloads.append(min_epoch)
+            best = max(v for v in offers.values() if v is not None)
+            return int(best) if int(best) >= min_epoch else None
+
+        opt = SimpleNamespace(
+            pending=None, scheduled=None, _lost_round=lost, local_epoch=5, config=laptop_swarm_config(),
+            status_loglevel=logging.DEBUG, _consensus_check_at=None, lost_branch_wait_s=18.0,
+            offer=SimpleNamespace(withdraw=lambda: None),
+            averager=SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: b"me"), prefix="run_diloco",
+                                     dht=SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=stored)),
+                                     load_state_from_peers=download),
+            tracker=SimpleNamespace(global_epoch=5, pause_updates=contextlib.nullcontext,
+                                    report_local_progress=lambda *a: None),
+            _restart_from_global=lambda: None, _share_state=lambda: None, samples_in_round=0)
+        opt._offers = lambda: DiLoCoOptimizer._offers(opt)
+        DiLoCoOptimizer.load_state_from_peers(opt, lost_branch=True)
+        return downloads, opt
+
+    downloads, opt = fake({b"aux": 4.0, b"me": None}, LostRound(epoch=5, grouped=False))
+    assert downloads == [] and sleeps == []
+    assert opt._consensus_check_at is not None  # compares notes with the swarm soon
+    downloads, _ = fake({b"aux": 4.0, b"b": 5.002, b"me": None}, LostRound(epoch=5, grouped=True))
+    assert downloads == [5] and sleeps == []

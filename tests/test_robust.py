@@ -151,6 +151,37 @@ def test_the_progress_tracker_does_not_count_a_suspects_samples_toward_the_targe
         dht.shutdown()
 
 
+def test_the_progress_tracker_does_not_extrapolate_a_peer_that_stopped_reporting():
+    """A peer reports at every step; one whose record is 20 s old is in a round or a download, not
+    computing. hivemind counted 20 s of its speed as samples (800 at 40/s, over a target of 768),
+    so the others started the next round at once, without it (a failed round, then another)."""
+    import hivemind
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    dht = hivemind.DHT(start=True)
+    tracker = SuspectAwareProgressTracker(dht=dht, prefix="stale", target_batch_size=768, suspects=SuspectPeers(),
+                                          max_refresh_period=3.0, start=True)
+    try:
+        now = get_dht_time()
+
+        def record(peer: bytes, samples: int, age_s: float):
+            progress = LocalTrainingProgress(peer_id=peer, epoch=1, samples_accumulated=samples,
+                                             samples_per_second=40.0, time=now - age_s, client_mode=False)
+            return ValueWithExpiration(progress.dict(), now + 60)
+
+        metadata = {b"key-waiting": record(b"waiting", 0, 20.0), b"key-training": record(b"training", 32, 0.5)}
+        progress = tracker._parse_swarm_progress_data(metadata)
+        # At most the longest refresh period's worth for the stale record (3 s x 40/s), the fresh one in full.
+        assert progress.eta_next_epoch > get_dht_time() + 5, progress
+        assert metadata[b"key-waiting"].value["time"] == now - 20.0  # the DHT's record is left as it was
+        tracker.max_extrapolation_s = 60.0  # hivemind's behaviour: 800 phantom samples, the round starts now
+        assert tracker._parse_swarm_progress_data(metadata).eta_next_epoch <= get_dht_time()
+    finally:
+        tracker.shutdown(5)
+        dht.shutdown()
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16, 17])
 def test_coordinate_median_matches_torch(n):
     from crowdtrain.swarm.robust import coordinate_median

@@ -117,13 +117,38 @@ def run_status(run_dir: Path, store: Store) -> dict:
     live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live if isinstance(p, dict)]
     losses = [p["loss"] for p in live]
     task = info.task if info is not None else {}
+    problems = [p for p in (info_problem, status_problem) if p]
+    failing = rounds_failing(status.rounds) if live else None
+    if failing:
+        problems.append(failing)
     return {"run_id": info.run_id if info is not None else None, "started": info is not None, "epoch": epoch,
             "total_epochs": total, "target_batch_size": swarm.get("target_batch_size"),
             "active_peers": len(live), "samples_per_second": float(status.samples_per_second),
             "loss": sum(losses) / len(losses) if losses else None, "eta_s": eta_s,
             "last_checkpoint_epoch": status.last_checkpoint_epoch, "updated": status.updated,
             "peers": live, "model": task.get("model", {}), "data": task.get("data"),
-            "problems": [p for p in (info_problem, status_problem) if p]}
+            "problems": problems}
+
+
+def rounds_failing(rounds: dict) -> str | None:
+    """A problem line when many of the swarm's recent rounds averaged with nobody although other
+    peers were training (hivemind's "Averaging step failed: could not find a group"); None while
+    rounds form. ``rounds``: ``status.json``'s ``rounds`` (crowdtrain.swarm.metrics.RoundHealth)."""
+    try:
+        total, apart = int(rounds.get("rounds", 0)), int(rounds.get("apart", 0))
+        minutes = float(rounds.get("window_s", 300)) / 60
+        users = [str(u)[:64] for u in rounds.get("users", [])][:10]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if total < 4 or apart < max(2, total / 4):
+        return None
+    return (f"averaging rounds are failing: in the last {minutes:.0f} minutes, {apart} of the {total} rounds peers took "
+            f"averaged with nobody although other peers were training (peers of {', '.join(users) or 'unknown users'}"
+            "). Each such round costs its peers an averaging timeout and leaves them on different models. "
+            "Check that volunteers can reach each other (the DHT port open; peers behind NAT join with "
+            "--client-mode, and at least one peer must accept connections), that no machine runs more volunteers "
+            "than it has cores (give each `crowdtrain join --threads 1`), and on slow or distant links raise "
+            "--swarm matchmaking_time_s (and averaging_timeout_s) when starting the coordinator.")
 
 
 def _memcalc_run(run_dir: Path) -> dict | None:

@@ -89,6 +89,9 @@ class RunStatus(_Schema):
     target_batch_size: int = 0
     metrics_records_refused: int = 0  # records that failed signature or schema checks
     metrics_records_dropped: dict = field(default_factory=dict)  # reason -> records dropped after the checks
+    # The swarm's rounds over the last minutes (crowdtrain.swarm.metrics.RoundHealth.summary):
+    # window_s, rounds, apart (averaged with nobody while others trained), users (whose rounds were)
+    rounds: dict = field(default_factory=dict)
 
 
 def _read_typed(path: Path, cls):

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import threading
 import time
@@ -200,6 +201,44 @@ class DiLoCoAverager(StateUploadLimit, RobustAveragerMixin, DecentralizedAverage
                    max_state_uploads=config.max_state_uploads, start=True, **kwargs)
 
 
+@dataclass(frozen=True)
+class LostRound:
+    """What a failed or partial round tells about who may hold its whole average (the state of
+    ``epoch`` that this peer's lost-branch wait looks for)."""
+
+    epoch: int  # the epoch the round made (this peer's own outer step already took it there)
+    grouped: bool  # this peer was in a group: it sent parts or got the group's gathered data
+    groupmates: frozenset | None = None  # their peer IDs (bytes) when the gathered data named them
+
+
+def lost_branch_verdict(offers: dict | None, *, me: bytes, wanted_epoch: int, lost: LostRound | None,
+                        waited_s: float, bound_s: float) -> str:
+    """What a peer waiting for the swarm's state of ``wanted_epoch`` does next: ``"download"`` (a
+    state that new is on offer, or the DHT did not answer: try, the download refuses older ones),
+    ``"wait"`` (a groupmate may still publish the whole average) or ``"give_up"`` (nobody can:
+    go on with ours). ``offers``: peer ID -> offered state priority, None for a withdrawn offer
+    (the integer part of a priority is its epoch; see ``state_priority``).
+
+    Never a download of a state older than ours (the auxiliary peer's last checkpoint, say): that
+    would be fetched only to be thrown away, once a second. Without ``lost`` (a plain catch-up)
+    there is nothing to wait for. A peer that was in no group has no groupmate to wait for; peers
+    that formed a group without it published their state during its round (its LeftOutWatch
+    looked). Where the gathered data names the groupmates, the wait ends as soon as each of them
+    withdrew its offer (it did not get the whole average either) instead of at the bound."""
+    if offers is None:
+        return "download"
+    others = {peer: p for peer, p in offers.items() if peer != me}
+    if max((p for p in others.values() if p is not None), default=-1.0) >= wanted_epoch:
+        return "download"
+    if lost is None or not lost.grouped or waited_s >= bound_s:
+        return "give_up"
+    if lost.groupmates is not None:
+        # A groupmate still offering its state from before the round has not finished it yet.
+        undecided = [peer for peer in lost.groupmates - {me} if others.get(peer) is not None]
+        return "wait" if undecided else "give_up"
+    return "wait"
+
+
 @dataclass
 class OpenRound:
     """A round from its sync point until its outer step (``DiLoCoOptimizer.pending`` while it
@@ -268,6 +307,7 @@ class DiLoCoOptimizer:
         self._consensus_check_at: float | None = None  # after a round smaller than the swarm (see _heal_split)
         self._minority_base = False  # the last round's group started mostly from other global parameters
         self._check_sync = True  # once per epoch, require exactly the swarm's epoch (as hivemind.Optimizer)
+        self._lost_round: LostRound | None = None  # what the last failed or partial round told (_finish_round)
 
     # -- the interface the trainer loop uses
 
@@ -280,6 +320,15 @@ class DiLoCoOptimizer:
     def state_averager(self) -> DiLoCoAverager:
         """The averager that serves this peer's state (the global parameters) to downloaders."""
         return self.averager
+
+    @property
+    def lost_branch_wait_s(self) -> float:
+        """The longest a peer waits for a groupmate's whole average after its own round failed or
+        came back partial: groupmates end a round at most a chunk timeout apart, and publish their
+        state a moment later. Shorter where the groupmates are known to have none
+        (:func:`lost_branch_verdict`)."""
+        return min(self.config.averaging_timeout_s, 2 * self.config.next_chunk_timeout_s
+                   + self.config.matchmaking_time_s)
 
     @property
     def _progress_epoch(self) -> int:
@@ -338,35 +387,50 @@ class DiLoCoOptimizer:
     def load_state_from_peers(self, *, lost_branch: bool = False) -> None:
         """Download the swarm's newest state. ``lost_branch``: our global parameters are a losing
         result of this epoch's sync (a split, a failed round): stop offering them at once, since a
-        peer healing the same split must not download them instead of the winners', and wait up to
-        an averaging timeout for the winners to publish this epoch's state (they may still be
-        finishing their round); never settle for an older epoch, which would undo outer steps."""
+        peer healing the same split must not download them instead of the winners', and wait for
+        the winners to publish this epoch's state (they may still be finishing their round), but
+        only while one may (:func:`lost_branch_verdict`; at most ``lost_branch_wait_s``); never
+        settle for an older epoch, which would undo outer steps. States on offer are read from the
+        DHT first: nothing is downloaded that is older than what we hold."""
         if self.pending is not None:  # our part is already in that round: let the group finish it
             self._drop_pending()
         if self.scheduled is not None and not self.scheduled.done():
             tag_along(self.scheduled, self.config.averaging_timeout_s)
         self.scheduled = None
+        lost, self._lost_round = (self._lost_round if lost_branch else None), None
         if lost_branch:
             self.offer.withdraw()
-        deadline = time.monotonic() + (self.config.averaging_timeout_s if lost_branch else 0.0)
-        attempt = 0
+        me = self.averager.peer_id.to_bytes()
+        started, attempt = time.monotonic(), 0
         while True:
-            attempt += 1
-            try:
-                # Never go back in epochs (e.g. to the coordinator's last checkpoint when the
-                # trainers have left): an older state would undo outer steps.
-                epoch = self.averager.load_state_from_peers(timeout=self.config.load_state_timeout_s,
-                                                            min_epoch=self.local_epoch)
-            except Exception as e:  # a peer left mid-download: try the next best one
-                logger.warning("downloading the state failed (%r); retrying", e)
-                epoch = -1
-            if epoch is not None and epoch >= self.tracker.global_epoch:
+            wanted = max(self.local_epoch, self.tracker.global_epoch if lost_branch else self.local_epoch)
+            verdict = lost_branch_verdict(self._offers(), me=me, wanted_epoch=wanted,
+                                          lost=lost if lost_branch else None, waited_s=time.monotonic() - started,
+                                          bound_s=self.lost_branch_wait_s if lost_branch else 0.0)
+            if verdict == "give_up" and not lost_branch:
+                logger.log(self.status_loglevel, "no peer offers a state newer than ours (epoch %d); going on",
+                           self.local_epoch)
                 break
-            if time.monotonic() >= deadline and (epoch is None or attempt >= 3):
-                if lost_branch:
-                    logger.warning("no peer offered the winning state of epoch %d in time; going on with ours",
-                                   self.local_epoch)
+            if verdict == "give_up":
+                logger.warning("no peer got the whole average of epoch %d's round; going on with ours (the next "
+                               "round's check aligns the swarm on one state)", self.local_epoch)
+                # Compare notes soon: a group we did not see may still publish a better state.
+                self._consensus_check_at = time.monotonic() + 2 * self.config.matchmaking_time_s
                 break
+            if verdict == "download":
+                attempt += 1
+                try:
+                    # Never go back in epochs (e.g. to the coordinator's last checkpoint when the
+                    # trainers have left): an older state would undo outer steps.
+                    epoch = self.averager.load_state_from_peers(timeout=self.config.load_state_timeout_s,
+                                                                min_epoch=self.local_epoch)
+                except Exception as e:  # a peer left mid-download: try the next best one
+                    logger.warning("downloading the state failed (%r); retrying", e)
+                    epoch = -1
+                if epoch is not None and epoch >= self.tracker.global_epoch:
+                    break
+                if attempt >= 3 and (not lost_branch or time.monotonic() - started >= self.lost_branch_wait_s):
+                    break
             time.sleep(1.0)  # the peers are between rounds: their new state is a moment away
         with self.tracker.pause_updates():
             self._restart_from_global()
@@ -543,9 +607,15 @@ class DiLoCoOptimizer:
             self.tracker.update_epoch(new_epoch)
             self.samples_in_round = 0
         self._check_sync = True
+        self._lost_round = None
         after = self.averager.wire_stats.snapshot()
         missing = after["elements_missing"] - before["elements_missing"]
         diverged = self._diverged(gathered, swarm_peers, missing)
+        if diverged:
+            me = self.averager.peer_id
+            self._lost_round = LostRound(
+                epoch=new_epoch, grouped=bool(gathered) or after["bytes_sent"] > before["bytes_sent"],
+                groupmates=frozenset(p.to_bytes() for p in gathered if p != me) if gathered else None)
         credited = self.ledger.credit(epoch=epoch, samples=round_.weight, group_size=group_size,
                                       swarm_peers=swarm_peers, discarded=diverged)
         if self._minority_base:
@@ -645,13 +715,25 @@ class DiLoCoOptimizer:
 
     def _offered_priorities(self) -> list[float]:
         """The state priorities peers offer now (``state_priority``: the epoch is the integer part)."""
+        return [p for p in (self._offers() or {}).values() if p is not None]
+
+    def _offers(self) -> dict[bytes, float | None] | None:
+        """Peer ID -> the state priority it offers now (None: it withdrew its offer); None if the
+        DHT does not answer (a busy DHT: the round's own timeouts still apply)."""
         try:
             found = self.averager.dht.get(state_offers_key(self.averager.prefix), latest=True)
-        except Exception as e:  # the DHT is busy: the round's own timeout still applies
+        except Exception as e:
             logger.debug("could not read the swarm's states: %r", e)
-            return []
+            return None
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        return [float(v.value) for v in entries.values() if isinstance(getattr(v, "value", None), (int, float))]
+        offers = {}
+        for peer, entry in entries.items():
+            value = getattr(entry, "value", None)
+            if isinstance(peer, bytes) and value is None:
+                offers[peer] = None
+            elif isinstance(peer, bytes) and isinstance(value, (int, float)) and math.isfinite(value):
+                offers[peer] = float(value)
+        return offers
 
     def _restart_from(self, tensors: list[torch.Tensor]) -> None:
         with torch.no_grad():

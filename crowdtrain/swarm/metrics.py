@@ -78,6 +78,10 @@ class PeerMetrics(pydantic.BaseModel):
     session: pydantic.constr(strict=True, max_length=32) = ""
     credited_samples: Count = 0
     credited_steps: Count = 0
+    # Rounds this session took part in, and those it averaged with nobody although other peers
+    # were training (a failed round: the coordinator shows many as a problem, crowdtrain.swarm.metrics.RoundHealth).
+    rounds: Count = 0
+    rounds_apart: Count = 0
 
 
 class Ledger:
@@ -115,7 +119,53 @@ class Ledger:
     def record_fields(self) -> dict:
         """The PeerMetrics fields that carry this ledger."""
         with self._lock:
-            return {"session": self.session, "credited_samples": self.samples, "credited_steps": self.steps}
+            apart = sum(e["group_size"] < 2 and e["swarm_peers"] >= 2 for e in self.entries)
+            return {"session": self.session, "credited_samples": self.samples, "credited_steps": self.steps,
+                    "rounds": len(self.entries), "rounds_apart": apart}
+
+
+class RoundHealth:
+    """Whether the swarm's rounds are forming, from peers' signed counts of their rounds
+    (``PeerMetrics.rounds`` and ``rounds_apart``, cumulative per session), over the last
+    ``window_s``: the coordinator's view of "Averaging step failed: could not find a group".
+
+    A peer's counts are compared with its own earliest record in the window, so a restarted peer
+    (a new session) or a missed record neither hides nor repeats a failure. Only the counts of
+    records that passed :func:`screen` are used; a peer can misreport only its own rounds."""
+
+    def __init__(self, *, window_s: float = 300.0):
+        self.window_s = window_s
+        self._seen: dict[tuple[str, str], list[tuple[float, int, int, str]]] = {}  # (peer, session) -> history
+
+    def add(self, records: list[PeerMetrics], *, now: float) -> None:
+        for r in records:
+            history = self._seen.setdefault((r.peer_id, r.session), [])
+            if not history or history[-1][0] != r.time:
+                history.append((r.time, r.rounds, r.rounds_apart, r.user))
+        for key in list(self._seen):
+            recent = [h for h in self._seen[key] if h[0] >= now - self.window_s]
+            # Keep the last point before the window as its baseline.
+            older = [h for h in self._seen[key] if h[0] < now - self.window_s][-1:]
+            if recent:
+                self._seen[key] = older + recent
+            else:
+                del self._seen[key]
+
+    def summary(self) -> dict:
+        """``{"window_s", "rounds", "apart", "users"}``: rounds taken in the window, those averaged
+        with nobody, and the users of the peers that had such rounds."""
+        rounds = apart = 0
+        users = set()
+        for history in self._seen.values():
+            first, last = history[0], history[-1]
+            # From its first record seen (not from zero: after a coordinator restart, that record
+            # holds all the rounds of a peer's session so far, most of them long ago).
+            d_rounds, d_apart = max(0, last[1] - first[1]), max(0, last[2] - first[2])
+            rounds += d_rounds
+            apart += min(d_apart, d_rounds)
+            if d_apart:
+                users.add(last[3])
+        return {"window_s": self.window_s, "rounds": rounds, "apart": apart, "users": sorted(users)}
 
 
 class AccessTokenRecord(pydantic.BaseModel):

@@ -189,7 +189,8 @@ SEAMS: tuple[Seam, ...] = (
          _CATCH + "test_a_peer_mid_update_serves_a_copy_never_last_epochs_parameters_as_this_epochs", "59a43eff001c3284"),
     Seam(f"{_O}:SuspectAwareProgressTracker._parse_swarm_progress_data",
          "hivemind.optim.progress_tracker:ProgressTracker._parse_swarm_progress_data", "override",
-         "a suspect's samples do not count toward the target batch",
+         "a suspect's samples do not count toward the target batch, and a stale record (a peer in a round or a "
+         "download) is not extrapolated as if it were computing",
          _ROBUST + "test_the_progress_tracker_does_not_count_a_suspects_samples_toward_the_target", "1b5ad87469d3c13f"),
     Seam(f"{_O}:OptimizerSeam.load_state_from_peers",
          "hivemind.optim.optimizer:Optimizer.load_state_from_peers", "public-override",

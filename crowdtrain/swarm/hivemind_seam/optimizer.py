@@ -16,16 +16,27 @@ from typing import Callable
 import hivemind
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
-from hivemind.utils.timed_storage import ValueWithExpiration
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from crowdtrain.swarm.robust import Aggregator, MeanAggregator, SuspectPeers
 
 class SuspectAwareProgressTracker(ProgressTracker):
     """hivemind's progress tracker, not counting the samples (nor the speed) of peers in
-    ``suspects``; they still count as peers, and their epochs as epochs."""
+    ``suspects`` (they still count as peers, and their epochs as epochs), and not extrapolating a
+    peer's progress from a stale record for more than ``max_extrapolation_s``.
 
-    def __init__(self, *args, suspects: SuspectPeers, **kwargs):
+    hivemind estimates each peer's samples now as its last report plus its speed times the
+    report's age, and a peer starts the round once that estimate reaches the target batch. A peer
+    reports at every step, so an old report means the peer is not computing: it is in a round, a
+    state download or a lost-branch wait. Its record, 20 s old at 40 samples/s, added 800 phantom
+    samples: the others started the next round after one batch each, with almost nothing to
+    average, while that peer was not looking for a group (the round failed). A report older than
+    the tracker's longest refresh period is counted at face value plus that period's worth.
+    """
+
+    def __init__(self, *args, suspects: SuspectPeers, max_extrapolation_s: float | None = None, **kwargs):
         self.suspects = suspects  # before the tracker's thread starts
+        self.max_extrapolation_s = max_extrapolation_s
         super().__init__(*args, **kwargs)
 
     def refresh(self) -> None:
@@ -37,19 +48,25 @@ class SuspectAwareProgressTracker(ProgressTracker):
                 found.value if isinstance(found, ValueWithExpiration) else None)
 
     def _parse_swarm_progress_data(self, metadata):
-        suspects = self.suspects.snapshot()
-        if suspects and isinstance(metadata, dict):
-            metadata = {key: self._discount(entry, suspects) for key, entry in metadata.items()}
+        if isinstance(metadata, dict):
+            suspects = self.suspects.snapshot()
+            oldest = get_dht_time() - (self.max_extrapolation_s if self.max_extrapolation_s is not None
+                                       else self.max_refresh_period)
+            metadata = {key: self._discount(entry, suspects, oldest) for key, entry in metadata.items()}
         return super()._parse_swarm_progress_data(metadata)
 
     @staticmethod
-    def _discount(entry, suspects: frozenset[bytes]):
+    def _discount(entry, suspects: frozenset[bytes], oldest: float):
+        """The record as the estimate should see it (a copy; the DHT's record is left as it was)."""
         record = getattr(entry, "value", None)
-        if not isinstance(record, dict) or record.get("peer_id") not in suspects:
+        if not isinstance(record, dict):
             return entry
-        return ValueWithExpiration({**record, "samples_accumulated": 0, "samples_per_second": 0.0},
-                                   entry.expiration_time)
-
+        if record.get("peer_id") in suspects:
+            record = {**record, "samples_accumulated": 0, "samples_per_second": 0.0}
+        reported = record.get("time")
+        if isinstance(reported, (int, float)) and not isinstance(reported, bool) and reported < oldest:
+            record = {**record, "time": oldest}  # extrapolated by (now - oldest) at most
+        return entry if record is entry.value else ValueWithExpiration(record, entry.expiration_time)
 
 
 class RoundHooks:

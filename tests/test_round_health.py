@@ -1,0 +1,64 @@
+"""Failed rounds reach the status page: peers count their rounds in their signed metrics, the
+auxiliary peer sums what grew in the last minutes, and /api/status names the problem and its fix."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from crowdtrain.coordinator.db import Store, default_url
+from crowdtrain.coordinator.service import rounds_failing, run_status
+from crowdtrain.swarm.metrics import Ledger, PeerMetrics, RoundHealth
+
+
+def record(peer: str, t: float, rounds: int, apart: int, *, session: str = "s1", user: str = "alice") -> PeerMetrics:
+    return PeerMetrics(peer_id=peer, epoch=rounds, samples=100, samples_per_second=5.0, loss=3.0, steps=10, time=t,
+                       client_mode=False, last_round_peers=2, swarm_peers=2, fingerprint="f", user=user,
+                       session=session, rounds=rounds, rounds_apart=apart)
+
+
+def test_a_peer_counts_the_rounds_it_averaged_with_nobody_while_others_trained():
+    ledger = Ledger()
+    ledger.credit(epoch=0, samples=64, group_size=1, swarm_peers=1)  # alone in the swarm: not a failure
+    ledger.credit(epoch=1, samples=64, group_size=2, swarm_peers=2)
+    ledger.credit(epoch=2, samples=64, group_size=1, swarm_peers=2)  # "could not find a group"
+    fields = ledger.record_fields()
+    assert (fields["rounds"], fields["rounds_apart"]) == (3, 1)
+    PeerMetrics(**{**record("p", 1.0, 0, 0).dict(), **fields})  # they fit the signed record's schema
+
+
+def test_round_health_counts_what_grew_in_the_window_per_session():
+    health = RoundHealth(window_s=300)
+    now = 10_000.0
+    # Seen first long after it started (a restarted coordinator): its old rounds are not this window's.
+    health.add([record("a", now - 100, 40, 30)], now=now - 100)
+    health.add([record("a", now - 50, 44, 34), record("b", now - 50, 3, 0, user="bob")], now=now - 50)
+    health.add([record("a", now, 48, 38), record("b", now, 7, 0, user="bob")], now=now)
+    assert health.summary() == {"window_s": 300, "rounds": 12, "apart": 8, "users": ["alice"]}
+    # A restarted peer is a new session: its counts start again from its first record.
+    health.add([record("a", now + 10, 2, 2, session="s2")], now=now + 10)
+    health.add([record("a", now + 20, 3, 2, session="s2")], now=now + 20)
+    assert health.summary()["rounds"] == 13
+    # Past the window, only what grew since its last earlier point counts.
+    health.add([record("a", now + 400, 3, 2, session="s2"), record("b", now + 400, 9, 0, user="bob")], now=now + 400)
+    assert health.summary() == {"window_s": 300, "rounds": 2, "apart": 0, "users": []}
+
+
+def test_the_status_page_names_failing_rounds_and_the_fix_only_while_peers_train(tmp_path):
+    assert rounds_failing({"rounds": 10, "apart": 1, "window_s": 300, "users": ["a"]}) is None
+    assert rounds_failing({"rounds": 3, "apart": 3}) is None  # too few to tell
+    assert rounds_failing({"rounds": "x"}) is None and rounds_failing({}) is None
+    line = rounds_failing({"rounds": 8, "apart": 6, "window_s": 300, "users": ["alice", "bob"]})
+    assert "6 of the 8 rounds" in line and "alice, bob" in line
+    assert "--threads 1" in line and "matchmaking_time_s" in line and "--client-mode" in line
+
+    run = tmp_path / "run"
+    run.mkdir()
+    store = Store(default_url(run))
+    peer = record("QmVolunteer", time.time(), 8, 6).dict()
+    status = {"epoch": 8, "peers": [peer], "updated": time.time(),
+              "rounds": {"rounds": 8, "apart": 6, "window_s": 300, "users": ["alice"]}}
+    (run / "status.json").write_text(json.dumps(status))
+    assert any(p.startswith("averaging rounds are failing") for p in run_status(run, store)["problems"])
+    (run / "status.json").write_text(json.dumps({**status, "peers": []}))  # nobody trains: nothing fails
+    assert run_status(run, store)["problems"] == []
