@@ -343,3 +343,35 @@ def test_a_peer_whose_round_found_no_group_goes_on_at_once_and_downloads_nothing
     assert opt._consensus_check_at is not None  # compares notes with the swarm soon
     downloads, _ = fake({b"aux": 4.0, b"b": 5.002, b"me": None}, LostRound(epoch=5, grouped=True))
     assert downloads == [5] and sleeps == []
+
+
+def test_at_a_fresh_runs_first_sync_a_peer_reads_the_swarm_afresh_before_stepping_alone():
+    """The tracker's view is a refresh period old: at a fresh run's first sync point it may not show
+    the other peers yet (their first reports come with their first batches). A peer that trusted
+    it stepped alone while the others looked for it in their round until it failed."""
+    import threading
+    from types import SimpleNamespace
+
+    from crowdtrain.runspec.swarm import laptop_swarm_config
+    from crowdtrain.swarm.diloco import DiLoCoOptimizer
+
+    def fake(peers_after_refresh: int):
+        lock = threading.Lock()
+        lock.acquire()  # the round starts with the tracker paused: a refresh must not wait for this lock
+        tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=1), lock_global_progress=lock)
+
+        def refresh(*, paused=False):
+            assert paused, "the tracker is paused during a round: refresh(paused=True) or a deadlock"
+            tracker.global_progress = SimpleNamespace(num_peers=peers_after_refresh)
+        tracker.refresh = refresh
+        started = []
+        opt = SimpleNamespace(scheduled=None, tracker=tracker, config=laptop_swarm_config(), status_loglevel=10,
+                              _begin_matchmaking=lambda: started.append(1) or SimpleNamespace(
+                                  weight=None, allow_allreduce=lambda: None))
+        opt._peers_now = lambda: DiLoCoOptimizer._peers_now(opt)
+        return DiLoCoOptimizer._start_round(opt, weight=64), started
+
+    control, started = fake(peers_after_refresh=2)
+    assert control is not None and started == [1] and control.weight == 64
+    control, started = fake(peers_after_refresh=1)  # really alone: its own step is the swarm's
+    assert control is None and started == []

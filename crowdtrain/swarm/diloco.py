@@ -648,7 +648,7 @@ class DiLoCoOptimizer:
         self.scheduled = None
         try:
             if control is None or control.triggered or control.done():
-                if self.tracker.global_progress.num_peers < self.config.min_group_size:
+                if self.tracker.global_progress.num_peers < self.config.min_group_size and not self._peers_now():
                     return None
                 control = self._begin_matchmaking()
             control.weight = weight
@@ -659,6 +659,17 @@ class DiLoCoOptimizer:
             if control is not None and not control.done():
                 control.cancel()
             return None
+
+    def _peers_now(self) -> bool:
+        """Whether the swarm has enough peers for a round, read from the DHT now. The tracker's view
+        is a refresh period old, and at a fresh run's first sync point it may predate the other
+        peers' first reports (their first batches): alone by that view, a peer stepped by itself
+        while the others looked for it until their round failed."""
+        try:
+            self.tracker.refresh(paused=True)  # rounds start with the tracker paused
+        except Exception as e:  # the DHT is busy: go by the tracker's view
+            logger.debug("could not read the swarm's progress: %r", e)
+        return self.tracker.global_progress.num_peers >= self.config.min_group_size
 
     def _await(self, control, watch: LeftOutWatch, *, deadline: float) -> dict | None:
         """Wait for a started round; the group's gathered data, or None if it failed. Gives up

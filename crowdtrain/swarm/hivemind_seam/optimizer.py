@@ -39,13 +39,18 @@ class SuspectAwareProgressTracker(ProgressTracker):
         self.max_extrapolation_s = max_extrapolation_s
         super().__init__(*args, **kwargs)
 
-    def refresh(self) -> None:
+    def refresh(self, *, paused: bool = False) -> None:
         """Read the swarm's progress now instead of at the next scheduled fetch (which, while no
-        other peer was seen, is a refresh period away). Raises what the DHT raises."""
+        other peer was seen, is a refresh period away). ``paused``: the caller holds the tracker
+        paused (``pause_updates``), whose lock this would otherwise wait for. Raises what the DHT
+        raises."""
         found = self.dht.get(self.training_progress_key, latest=True)
-        with self.lock_global_progress:
-            self.global_progress = self._parse_swarm_progress_data(
-                found.value if isinstance(found, ValueWithExpiration) else None)
+        progress = self._parse_swarm_progress_data(found.value if isinstance(found, ValueWithExpiration) else None)
+        if paused:
+            self.global_progress = progress
+        else:
+            with self.lock_global_progress:
+                self.global_progress = progress
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):

@@ -1,0 +1,44 @@
+"""A fresh run starts cleanly: volunteers that join a new run together form their first rounds in
+full (the stall: both peers' first rounds failed with "could not find a group", then each waited
+30 s for a state nobody had, so an epoch took a minute instead of seconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from crowdtrain.launch import LocalSwarm
+
+# DiLoCo as `--swarm-preset laptop` runs it, on the tiny model: epochs of a few seconds.
+FRESH = {"mode": "diloco", "target_batch_size": 192, "lr": 0.003, "warmup_epochs": 1, "total_epochs": 40,
+         "outer_lr": 1.0, "outer_momentum": 0.0, "checkpoint_every_epochs": 2}
+ROUNDS = 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fresh_two_and_three_peer_runs_form_their_first_rounds_in_full(tmp_path):
+    """Two fresh runs side by side (each its own coordinator: a busy machine, as in CI), twice."""
+    failures = []
+    for attempt in range(2):
+        swarms = {}
+        try:
+            for peers in (2, 3):
+                swarm = swarms[peers] = LocalSwarm(tmp_path / f"{attempt}-{peers}", swarm=FRESH)
+                (swarm.tmp).mkdir(parents=True)
+                swarm.start_coordinator()
+            for peers, swarm in swarms.items():
+                for i in range(peers):
+                    swarm.join(f"p{i}", batch_size=16, max_epochs=ROUNDS)
+            for peers, swarm in swarms.items():
+                for i in range(peers):
+                    assert swarm.wait_exit(f"p{i}", 300) == 0, swarm.log(f"p{i}")[-3000:]
+                for i in range(peers):
+                    summary = swarm.summary(f"p{i}")
+                    assert summary.get("state_download_skipped"), "every peer built the run's initial model"
+                    groups = [r["group_size"] for r in summary["rounds"]][:ROUNDS]
+                    if groups != [peers] * ROUNDS:
+                        failures.append((attempt, peers, f"p{i}", groups, swarm.log(f"p{i}")[-2000:]))
+        finally:
+            for swarm in swarms.values():
+                swarm.close()
+    assert not failures, failures
