@@ -78,6 +78,10 @@ class PeerMetrics(pydantic.BaseModel):
     session: pydantic.constr(strict=True, max_length=32) = ""
     credited_samples: Count = 0
     credited_steps: Count = 0
+    # The peer's last record, stored as it leaves (the record outlives it in the DHT for up to a
+    # minute): readers count it as gone at once. Stored only when true (:func:`publish`), so a
+    # peer's other records stay valid for peers whose schema predates the field.
+    leaving: pydantic.StrictBool = False
 
 
 class Ledger:
@@ -195,7 +199,10 @@ def publish(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, metri
             *, expiration_s: float = 60.0):
     """Store this peer's record (in the background; a failed store is retried by the next one); the
     store's future."""
-    return dht.store(key=metrics_key(run_id), subkey=signer.local_public_key, value=metrics.dict(),
+    value = metrics.dict()
+    if not value["leaving"]:
+        del value["leaving"]  # see PeerMetrics.leaving
+    return dht.store(key=metrics_key(run_id), subkey=signer.local_public_key, value=value,
                      expiration_time=get_dht_time() + expiration_s, return_future=True)
 
 
