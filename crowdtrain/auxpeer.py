@@ -239,9 +239,8 @@ class AuxPeer:
                     except Exception as e:
                         self._drop("database", f"peer {r.peer_id}: {e!r}"[:300], (r.peer_id, r.time))
         now = time.time()
-        recent = [r for r in records if now - r.time < 60]
         # A peer's last record says it is leaving: it is gone, though the record lives on a minute.
-        live = [r for r in recent if not r.leaving]
+        recent, live = swarm_metrics.live_records(records, now=now)
         reachable = {r.peer_id: r.maddrs for r in live if r.maddrs}
         if reachable:
             files.write_json_atomic(self.run_dir / files.KNOWN_PEERS, reachable)

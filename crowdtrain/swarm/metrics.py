@@ -298,6 +298,16 @@ def screen(stored: list[StoredRecord], *, run_id: str, now: float, user_of: Call
     return records, dropped
 
 
+def live_records(records: list[PeerMetrics], *, now: float,
+                 window_s: float = 60.0) -> tuple[list[PeerMetrics], list[PeerMetrics]]:
+    """(recent, live): the records stored within ``window_s`` of ``now`` (a record lives a minute in
+    the DHT), and those of peers still training: a record marked ``leaving`` is a peer's last, and
+    the peer is gone though the record is still there. The swarm's epoch is the recent records'
+    (a peer that left at the last epoch reached it); peers and throughput are the live ones'."""
+    recent = [r for r in records if now - r.time < window_s]
+    return recent, [r for r in recent if not r.leaving]
+
+
 def rounds_key(run_id: str) -> str:
     return f"{run_id}_rounds"
 
