@@ -225,7 +225,8 @@ class AuxPeer:
         return records
 
     def collect(self) -> list[swarm_metrics.PeerMetrics]:
-        records = self.screen(swarm_metrics.fetch(self.dht, self.swarm.run_id))
+        stored = swarm_metrics.fetch(self.dht, self.swarm.run_id)
+        records = self.screen(stored)
         fresh = [r for r in records if self.seen.get(r.peer_id) != r.time]
         if fresh:
             files.append_metrics(self.run_dir, [r.dict() for r in fresh])
@@ -239,8 +240,10 @@ class AuxPeer:
                     except Exception as e:
                         self._drop("database", f"peer {r.peer_id}: {e!r}"[:300], (r.peer_id, r.time))
         now = time.time()
-        # A peer's last record says it is leaving: it is gone, though the record lives on a minute.
-        recent, live = swarm_metrics.live_records(records, now=now)
+        # A peer that said it is leaving is gone, though its last record lives on a minute.
+        gone = swarm_metrics.leaving_peer_ids(stored, swarm_metrics.fetch_leaving(self.dht, self.swarm.run_id),
+                                              self.swarm.run_id) if records else set()
+        recent, live = swarm_metrics.live_records(records, now=now, gone=gone)
         reachable = {r.peer_id: r.maddrs for r in live if r.maddrs}
         if reachable:
             files.write_json_atomic(self.run_dir / files.KNOWN_PEERS, reachable)

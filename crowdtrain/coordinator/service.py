@@ -121,8 +121,7 @@ def run_status(run_dir: Path, store: Store) -> dict:
     status, status_problem = read_status(run_dir)
     swarm = info.swarm if info is not None else {}
     schedule = info.schedule if info is not None and isinstance(info.schedule, dict) else None
-    # Peers that said they are leaving are gone, though their last record lives a minute more.
-    live = [p for p in status.peers if isinstance(p, dict) and not p.get("leaving")]
+    live = [p for p in status.peers if isinstance(p, dict)]  # the auxiliary peer lists the live ones only
     epoch = status.epoch
     if schedule is not None:  # total_epochs is None while a time budget is being sized
         total = int(schedule.get("total_epochs") or 0)

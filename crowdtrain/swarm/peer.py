@@ -321,13 +321,14 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         last_record = summary.pop("_last_record", None)
         if last_record is not None:
             # The rounds finished since the last record are credited only if the coordinator
-            # hears of them: say so before leaving (the record outlives us in the DHT for a minute,
-            # marked as leaving, so the coordinator counts this peer as gone at once).
+            # hears of them: say so before leaving (the record outlives us in the DHT for a minute;
+            # the leaving record tells the coordinator to count this peer as gone at once).
             final = swarm_metrics.PeerMetrics(**{**last_record, **optimizer.ledger.record_fields(),
-                                                 "epoch": optimizer.local_epoch, "time": time.time(), "leaving": True})
+                                                 "epoch": optimizer.local_epoch, "time": time.time()})
             def publish_final():
                 try:
                     swarm_metrics.publish(dht, swarm.run_id, signer, final).result()
+                    swarm_metrics.publish_leaving(dht, swarm.run_id, signer, epoch=optimizer.local_epoch).result()
                 except Exception as e:  # the p2p daemon already gone (Ctrl-C in a terminal)
                     logger.debug("could not store the last metrics record: %r", e)
 
