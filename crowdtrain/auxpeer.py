@@ -282,7 +282,7 @@ class AuxPeer:
         it (volunteers at the end wait a little for it before they leave)."""
         schedule = self.schedule.state
         if (not schedule.finished or not live or self.last_checkpoint_epoch >= schedule.total_epochs
-                or time.monotonic() - self._final_checkpoint_try < 5.0):
+                or time.monotonic() - self._final_checkpoint_try < 2.0):
             return
         self._final_checkpoint_try = time.monotonic()
         self.maybe_checkpoint(live, force=True)

@@ -200,33 +200,41 @@ def test_a_coordinator_that_is_down_leaves_the_volunteers_schedule_as_it_was():
 
 
 @pytest.mark.timeout(240)
-def test_volunteers_leave_cleanly_at_the_runs_last_epoch_and_a_newcomer_is_told_it_finished(swarm_factory):
-    """The whole end, with real processes: two volunteers reach total_epochs, wait for the final
-    checkpoint, leave with the message and exit code 0; the run says it has finished; a newcomer's
-    `crowdtrain join` stops at once (exit 2) with the message."""
-    swarm = swarm_factory(swarm={"total_epochs": 4, "checkpoint_every_epochs": 100, "target_batch_size": 192})
-    swarm.start_coordinator()
+def test_a_time_budget_run_sizes_its_total_volunteers_pick_it_up_and_leave_cleanly_at_the_end(swarm_factory):
+    """The whole schedule with real processes: a coordinator given a time budget, two volunteers
+    that join while the total is unknown and learn it while they train (no restart); at the total
+    they wait for the final checkpoint, leave with the message and exit code 0; the run says it
+    has finished and nobody trains; a newcomer's `crowdtrain join` stops at once (exit 2)."""
+    swarm = swarm_factory(swarm={"checkpoint_every_epochs": 100, "target_batch_size": 192})
+    del swarm.swarm["total_epochs"]  # the budget sizes it
+    info = swarm.start_coordinator(extra=["--time-budget", "30s"])
+    assert info["schedule"]["total_epochs"] is None and info["schedule"]["time_budget_s"] == 30
     for name in ("alice", "bob"):
-        swarm.join(name, batch_size=16, max_epochs=50)
+        swarm.join(name, batch_size=16, max_epochs=500)
     for name in ("alice", "bob"):
         assert swarm.wait_exit(name, 150) == 0, swarm.log(name)[-3000:]
+    status = swarm.status()
+    total = status["total_epochs"]
+    assert status["schedule"]["sized_at"] is not None and total > 3
+    for name in ("alice", "bob"):
         log = swarm.log(name)
-        assert f"the run reached its last epoch (4 of 4): thank you; the final model is at {swarm.url}/checkpoints" \
-            in log, log[-3000:]
-        assert swarm.summary(name)["final_epoch"] == 4
+        assert f"the run's schedule changed: total_epochs being sized -> {total}" in log, log[-3000:]
+        assert (f"the run reached its last epoch ({total} of {total}): thank you; the final model is at "
+                f"{swarm.url}/checkpoints") in log, log[-3000:]
+        assert swarm.summary(name)["final_epoch"] == total
     # Their last metrics records live a minute in the DHT; they said they left, so nobody counts as training.
     left = time.monotonic()
-    status = swarm.status()
     while status["active_peers"] and time.monotonic() - left < 10:
         time.sleep(1)
         status = swarm.status()
-    assert status["active_peers"] == 0 and status["epoch"] == 4
-    assert status["finished"] and status["schedule"]["finished_epoch"] == 4 and status["last_checkpoint_epoch"] == 4
-    assert (swarm.run_dir / "checkpoints" / "step-0000004").is_dir()
+    assert status["active_peers"] == 0 and status["epoch"] == total
+    assert status["finished"] and status["schedule"]["finished_epoch"] == total
+    assert status["last_checkpoint_epoch"] == total and (swarm.run_dir / "checkpoints" / f"step-{total:07d}").is_dir()
     from crowdtrain.launch import cli
 
     started = time.monotonic()
     late = subprocess.run(cli("join", swarm.url, "--user", "carol"), capture_output=True, text=True, timeout=60,
                           env=swarm.env)
-    assert late.returncode == 2 and "the run reached its last epoch (4 of 4)" in late.stderr, late.stderr[-2000:]
+    assert late.returncode == 2 and f"the run reached its last epoch ({total} of {total})" in late.stderr, \
+        late.stderr[-2000:]
     assert time.monotonic() - started < 30
