@@ -35,10 +35,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEDULE = ("total_epochs", "warmup_epochs")  # see crowdtrain.runspec.schedule
-LOCAL = ("matchmaking_time_s", "averaging_timeout_s", "load_state_timeout_s", "average_state_every",
-         "compression_threshold", "delay_optimizer_step", "offload_optimizer", "checkpoint_every_epochs",
-         "max_state_uploads", "clip_radius", "clip_iterations", "outlier_distance", "max_weight_ratio")
+from crowdtrain.runspec.swarm import PEER_LOCAL_SETTINGS as LOCAL
+from crowdtrain.runspec.swarm import SCHEDULE_SETTINGS as SCHEDULE  # see crowdtrain.runspec.schedule
+
 WHY = {
     "run_id": "the swarm's peers find each other under the run id",
     "mode": "sync and DiLoCo peers cannot share a round",

@@ -45,11 +45,11 @@ import urllib.request
 
 from crowdtrain.optim import Schedule
 from crowdtrain.runspec.schedule import RunSchedule, finished_message
+from crowdtrain.runspec.swarm import PEER_LOCAL_SETTINGS, SCHEDULE_SETTINGS
 from crowdtrain.runspec.typed import typed_config
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_FIELDS = ("total_epochs", "warmup_epochs")  # the swarm settings that may change mid-run
 SIZING_POLL_S = 5.0  # how often to ask while the total is still being sized to a time budget
 
 
@@ -84,10 +84,14 @@ def check_not_finished(info: dict, url: str) -> None:
 def _fixed_part(info: dict) -> dict:
     """What must not change while a peer trains: everything handed out but the schedule, the
     addresses and the initial model (which stops being offered once the run moves on)."""
-    swarm = {k: v for k, v in (info.get("swarm") or {}).items() if k not in SCHEDULE_FIELDS}
+    swarm = {k: v for k, v in (info.get("swarm") or {}).items() if k not in SCHEDULE_SETTINGS}
     tokenizer = info.get("text_tokenizer") if isinstance(info.get("text_tokenizer"), dict) else {}
     return {"run_id": info.get("run_id"), "fingerprint": info.get("fingerprint"), "swarm": swarm,
             "task": info.get("task"), "text_tokenizer": tokenizer.get("sha256")}
+
+
+# What a restarted coordinator may change without the swarm training apart (crowdtrain.coordinator.restart).
+_MIXABLE = {f"swarm.{k}" for k in PEER_LOCAL_SETTINGS} | {"task.data"}
 
 
 def _differences(old, new, path: str = "") -> list[str]:
@@ -146,13 +150,17 @@ class ScheduleWatch:
             logger.warning("the coordinator answered %s/api/join with a JSON %s; keeping the schedule this peer "
                            "has", self.url, type(info).__name__)
             return
-        differences = _differences(self._joined, _fixed_part(info))
-        fresh = [d for d in differences if d not in self._reported]
-        if fresh:
-            self._reported.update(fresh)
+        fresh = [d for d in _differences(self._joined, _fixed_part(info)) if d not in self._reported]
+        self._reported.update(fresh)
+        mixable = [d for d in fresh if d.split(":")[0] in _MIXABLE]
+        breaking = [d for d in fresh if d not in mixable]
+        if mixable:
+            logger.info("the coordinator now hands out %s to newcomers; this peer keeps the values it joined with "
+                        "until it rejoins", "; ".join(mixable))
+        if breaking:
             logger.error("the coordinator now hands out other settings than this peer joined with (%s); only the "
                          "schedule may change while a peer trains, so this peer goes on with the settings it "
-                         "joined with: restart it to take the new ones", "; ".join(fresh))
+                         "joined with: restart it to take the new ones", "; ".join(breaking))
         try:
             state = run_schedule(info)
         except (ValueError, TypeError) as e:
