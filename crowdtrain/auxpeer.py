@@ -13,7 +13,10 @@ sees in the coordinator's database (``crowdtrain.coordinator.db``) and run folde
 4. every ``checkpoint_every_epochs`` downloads the newest model and optimizer state from the
    peers and writes a checkpoint (the last ``keep_checkpoints`` are kept);
 5. serves that state to newcomers when no trainer is around, e.g. after everyone left, and on
-   start resumes from the latest checkpoint.
+   start resumes from the latest checkpoint;
+6. keeps the schedule (``crowdtrain.runspec.schedule``): sizes a time budget's total from the
+   swarm's pace, and marks the run finished when the swarm reaches the total (then writes a
+   checkpoint of the last epoch while the volunteers wait for it).
 
     python -m crowdtrain.auxpeer RUN_DIR
 """
@@ -42,6 +45,7 @@ from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, ModelConfig
 from crowdtrain.model.info import architecture_fingerprint
 from crowdtrain.optim import param_groups
 from crowdtrain.runspec import files
+from crowdtrain.runspec.schedule import RunSchedule, ScheduleKeeper, read_schedule, write_schedule
 from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.runspec.tokens import CoordinatorKey
 from crowdtrain.swarm import metrics as swarm_metrics
@@ -76,6 +80,14 @@ class AuxPeer:
         self.model_config = ModelConfig.from_dict(spec["task"]["model"])
         self.checkpoint_dir = Path(spec["checkpoint_dir"])
         self.keep = int(spec.get("keep_checkpoints", 3))
+        # The schedule the coordinator started with (crowdtrain.runspec.schedule): this peer sizes a
+        # time budget's total, and marks the run finished at the total.
+        schedule, problem = read_schedule(run_dir)
+        if problem:
+            logger.warning("%s; using the swarm settings' schedule", problem)
+        self.schedule = ScheduleKeeper(schedule or RunSchedule(total_epochs=self.swarm.total_epochs,
+                                                               warmup_epochs=self.swarm.warmup_epochs))
+        self._final_checkpoint_try = 0.0  # monotonic: the last try at the finished run's checkpoint
         validators, self.signer = swarm_metrics.make_validators(self.swarm.run_id)
         self.refused_records = validators[0].refused
         self.store = Store(spec["db_url"])
@@ -167,11 +179,15 @@ class AuxPeer:
         logger.info("resumed from %s at epoch %d", path, epoch)
         return epoch
 
-    def announce(self) -> None:
+    def announce(self, *, first: bool = True) -> None:
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]  # fixed host and port: no refresh needed
+        schedule = self.schedule.state
+        swarm = self.swarm.to_dict()
+        if schedule.total_epochs is not None:  # for volunteers that read no schedule (older crowdtrain)
+            swarm.update(total_epochs=schedule.total_epochs, warmup_epochs=schedule.warmup_epochs)
         join = files.RunInfo(
             run_id=self.swarm.run_id, fingerprint=architecture_fingerprint(self.model_config),
-            swarm=self.swarm.to_dict(), task=self.spec["task"], initial_peers=maddrs,
+            swarm=swarm, task=self.spec["task"], initial_peers=maddrs, schedule=schedule.to_dict(),
             text_tokenizer=self.spec.get("text_tokenizer"),  # /api/join drops its local path
             coordinator_peer_id=str(self.dht.peer_id),
             auth={k: self.auth[k] for k in ("mode", "coordinator_public_key", "token_url", "token_lifetime_s")},
@@ -179,7 +195,8 @@ class AuxPeer:
             initial_model=({"seed": self.seed, "digest": self.initial_digest} if self.last_checkpoint_epoch == 0
                            else None))
         files.write_json_atomic(self.run_dir / files.RUN_INFO, join.to_dict())
-        logger.info("DHT up at %s", maddrs)
+        if first:
+            logger.info("DHT up at %s", maddrs)
 
     def _log_once(self, kind, message: str, *args, exc_info=None) -> None:
         """WARNING the first time for each kind of failure, DEBUG after that: a hostile peer
@@ -209,7 +226,8 @@ class AuxPeer:
         return records
 
     def collect(self) -> list[swarm_metrics.PeerMetrics]:
-        records = self.screen(swarm_metrics.fetch(self.dht, self.swarm.run_id))
+        stored = swarm_metrics.fetch(self.dht, self.swarm.run_id)
+        records = self.screen(stored)
         self.round_health.add(records, now=time.time())
         fresh = [r for r in records if self.seen.get(r.peer_id) != r.time]
         if fresh:
@@ -223,11 +241,17 @@ class AuxPeer:
                         self.store.record_metrics([r.dict()])
                     except Exception as e:
                         self._drop("database", f"peer {r.peer_id}: {e!r}"[:300], (r.peer_id, r.time))
-        live = [r for r in records if time.time() - r.time < 60]
+        now = time.time()
+        # A peer that said it is leaving is gone, though its last record lives on a minute.
+        gone = swarm_metrics.leaving_peer_ids(stored, swarm_metrics.fetch_leaving(self.dht, self.swarm.run_id),
+                                              self.swarm.run_id) if records else set()
+        recent, live = swarm_metrics.live_records(records, now=now, gone=gone)
         reachable = {r.peer_id: r.maddrs for r in live if r.maddrs}
         if reachable:
             files.write_json_atomic(self.run_dir / files.KNOWN_PEERS, reachable)
-        epoch = max([r.epoch for r in live], default=self.averager.local_epoch)
+        epoch = max([r.epoch for r in recent], default=self.averager.local_epoch)
+        epoch = max(epoch, self.schedule.state.finished_epoch or 0)
+        self.follow_schedule(now, epoch=epoch, training=bool(live))
         rate = sum(r.samples_per_second for r in live)
         mean_loss = sum(r.loss for r in live) / len(live) if live else None
         self.store.record_swarm_point(epoch=epoch, loss=mean_loss, active_peers=len(live), samples_per_second=rate)
@@ -238,11 +262,33 @@ class AuxPeer:
         status = files.RunStatus(
             epoch=epoch, peers=[r.dict() for r in live], updated=time.time(),
             last_checkpoint_epoch=self.last_checkpoint_epoch, samples_per_second=rate,
-            total_epochs=self.swarm.total_epochs, target_batch_size=self.swarm.target_batch_size,
+            total_epochs=self.schedule.state.total_epochs or 0, target_batch_size=self.swarm.target_batch_size,
             metrics_records_refused=int(self.refused_records.value), metrics_records_dropped=self.dropped,
+            finished_at=self.schedule.state.finished_at, epochs_per_second=self.schedule.epochs_per_second(now),
             rounds=self.round_health.summary())
         files.write_json_atomic(self.run_dir / files.STATUS, status.to_dict())
         return live
+
+    def follow_schedule(self, now: float, *, epoch: int, training: bool) -> None:
+        """Start a time budget's clock, size its total, mark the run finished
+        (``crowdtrain.runspec.schedule.ScheduleKeeper``); a change goes to ``schedule.json`` and
+        ``run.json``, where volunteers read it."""
+        changes = self.schedule.observe(now, epoch=epoch, training=training)
+        if changes:
+            for line in changes:
+                logger.info("schedule: %s", line)
+            write_schedule(self.run_dir, self.schedule.state)
+            self.announce(first=False)
+
+    def maybe_final_checkpoint(self, live: list[swarm_metrics.PeerMetrics]) -> None:
+        """Once the run has finished, a checkpoint of its last epoch while a volunteer still serves
+        it (volunteers at the end wait a little for it before they leave)."""
+        schedule = self.schedule.state
+        if (not schedule.finished or not live or self.last_checkpoint_epoch >= schedule.total_epochs
+                or time.monotonic() - self._final_checkpoint_try < 2.0):
+            return
+        self._final_checkpoint_try = time.monotonic()
+        self.maybe_checkpoint(live, force=True)
 
     def credit(self, records: list[swarm_metrics.PeerMetrics]) -> None:
         """Credit each peer's samples that went into global steps (its signed, cumulative ledger in
@@ -337,10 +383,12 @@ class AuxPeer:
                 grid.save(path)
                 index.append({"file": path.name, "prompt": p["prompt"], "tag": p.get("tag"),
                               "first_is_real_image": reference is not None})
-                self.store.record_sample(checkpoint=checkpoint.name, epoch=epoch, prompt=p["prompt"],
-                                         path=str(path.relative_to(self.run_dir)), tag=p.get("tag"),
-                                         reference=reference is not None)
             (folder / "prompts.json").write_text(json.dumps(index, indent=1))
+            # Listed on /samples only now: a checkpoint shows when all its images exist.
+            for entry in index:
+                self.store.record_sample(checkpoint=checkpoint.name, epoch=epoch, prompt=entry["prompt"],
+                                         path=str((folder / entry["file"]).relative_to(self.run_dir)),
+                                         tag=entry["tag"], reference=entry["first_is_real_image"])
             logger.info("samples for %s written to %s", checkpoint.name, folder)
         except Exception as e:  # samples are a nicety: never let them stop the checkpointer
             logger.warning("could not make samples for %s: %r", checkpoint, e)
@@ -351,6 +399,7 @@ class AuxPeer:
             try:
                 live = self.collect()
                 self.maybe_checkpoint(live)
+                self.maybe_final_checkpoint(live)
             except Exception as e:
                 # This process is the run's first DHT peer: volunteers join through it, so nothing a
                 # peer stores (or a database hiccup) may end it. Retried at the next refresh.

@@ -216,5 +216,5 @@ def test_prepare_reports_how_well_the_tokenizer_keeps_the_images_and_warns_when_
     psnr = float(out.split("tokenizer fit: PSNR ")[1].split(" dB")[0])
     assert psnr < 22 and "WARNING: the image tokenizer (shapes) loses much of your images" in out
     assert "crowdtrain tokenizer train --data DIR" in out
-    sheet = Image.open(tmp_path / "b" / "fit_report.png")
+    sheet = Image.open(tmp_path / "b" / "fit_report-train.png")
     assert sheet.size == (2 * 8 * 66, 2 * (2 * 64 + 6))  # 5 pairs on one row of 8, at 2x

@@ -51,7 +51,7 @@ def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
     shards = tmp_path / "shards"
     said = crowdtrain("data", "prepare", "--input", str(images), "--out", str(shards), "--image-tokenizer", str(vq))
     assert "60 rows" in said and "skipped nothing" in said and "tokenizer fit: PSNR" in said, said
-    assert (shards / "fit_report.png").is_file()
+    assert (shards / "fit_report-train.png").is_file()
     crowdtrain("data", "prepare", "--input", str(valid), "--out", str(shards), "--image-tokenizer", str(vq),
                "--split", "valid")
 

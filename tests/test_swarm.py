@@ -175,7 +175,8 @@ def test_two_peers_learn_what_one_peer_learns_with_the_same_global_batch(swarm_f
 
 @pytest.mark.timeout(600)
 def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
-    swarm = swarm_factory(swarm={"checkpoint_every_epochs": 2})
+    # total_epochs: the volunteers train until the test stops them, never to the run's last epoch.
+    swarm = swarm_factory(swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000})
     first = swarm.start_coordinator()
     for name in ("a", "b", "victim"):
         swarm.join(name, batch_size=16, max_epochs=1000)

@@ -39,7 +39,8 @@ async def call_as_stranger(maddrs: list[str], peer_id: str, averager_cls, namesp
 
 @pytest.mark.timeout(600)
 def test_allowlist_run_admits_keys_refuses_strangers_revokes_and_keeps_its_history(tmp_path):
-    swarm = LocalSwarm(tmp_path, swarm={"checkpoint_every_epochs": 2})
+    # total_epochs: the volunteers train until the test stops them, never to the run's last epoch.
+    swarm = LocalSwarm(tmp_path, swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000})
     try:
         keys = {name: add_user(swarm.run_dir, name) for name in ("alice", "bob")}
         info = swarm.start_coordinator(extra=["--auth", "allowlist", "--token-lifetime-s", str(LIFETIME_S),

@@ -26,7 +26,8 @@ def test_volunteers_ride_out_a_coordinator_outage_and_reconnect(swarm_factory, t
     from crowdtrain.data import ensure_demo_shards
 
     shards = ensure_demo_shards(tmp_path / "shapes", num_train=300)
-    swarm = swarm_factory(data=str(shards))
+    # total_epochs: the volunteers train until the test stops them, never to the run's last epoch.
+    swarm = swarm_factory(data=str(shards), swarm={"total_epochs": 100_000})
     # tiny, with the shapes tokenizer's codes
     shapes_model = ["--model", "image_vocab_size=1280", "--model", "image_code_factors=[256,5]"]
     first = swarm.start_coordinator(extra=shapes_model)

@@ -28,6 +28,11 @@ def register(subparsers) -> None:
                         "for tests on one machine) or laptop (DiLoCo, what `crowdtrain demo` runs)")
     p.add_argument("--swarm", action="append", metavar="KEY=VALUE",
                    help="override a swarm setting, e.g. --swarm target_batch_size=1024 (see SwarmConfig)")
+    p.add_argument("--time-budget", default=None, metavar="DURATION",
+                   help="train for this long (e.g. 2h, 90m, 1h30m) instead of a guessed --swarm total_epochs: "
+                        "once training is under way the run sizes total_epochs from the swarm's measured pace, "
+                        "and the learning rate reaches zero at the end. Restart with a longer budget (or a larger "
+                        "total_epochs) to extend a live run")
     p.add_argument("--model", action="append", metavar="KEY=VALUE", help="override a model preset field")
     p.add_argument("--db", default=None,
                    help="SQLAlchemy database URL, e.g. postgresql://user:pw@host/db (default: a SQLite file in "
@@ -69,6 +74,7 @@ def register(subparsers) -> None:
 def _coordinator(args) -> int:
     from crowdtrain.coordinator.run import CoordinatorConfig, run_coordinator
     from crowdtrain.runspec.overrides import parse_overrides
+    from crowdtrain.runspec.schedule import parse_duration
 
     config = CoordinatorConfig(
         run_id=args.run_id, preset=args.preset, data=args.data, host=args.host, port=args.port,
@@ -78,7 +84,8 @@ def _coordinator(args) -> int:
         model_overrides=parse_overrides(args.model, flag="--model"), db=args.db, auth=args.auth,
         token_lifetime_s=args.token_lifetime_s, token_requests_per_minute=args.token_requests_per_minute,
         samples_every_checkpoints=args.samples_every, sample_prompts=args.sample_prompts,
-        text_tokenizer=args.text_tokenizer, image_tokenizer=args.image_tokenizer)
+        text_tokenizer=args.text_tokenizer, image_tokenizer=args.image_tokenizer,
+        time_budget_s=parse_duration(args.time_budget) if args.time_budget is not None else None)
     return run_coordinator(config)
 
 

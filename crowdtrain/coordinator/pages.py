@@ -172,6 +172,18 @@ def _guide_html() -> str | None:
     return None
 
 
+def _shapes_prompts(run_prompts: list | None, items: list[dict]) -> bool:
+    """Whether the samples are of the bundled shapes data's evaluation prompts (whose seen and
+    held-out tags mean colour-shape pairs): the run's prompts are those, or, for a run folder
+    without its prompts file, every sample's prompt is one of them."""
+    from crowdtrain.data.sample_prompts import shapes_prompts
+
+    known = {p["prompt"] for p in shapes_prompts(per_group=100)}
+    prompts = [p.get("prompt") for p in run_prompts if isinstance(p, dict)] if run_prompts else \
+        [s["prompt"] for s in items]
+    return bool(prompts) and all(p in known for p in prompts)
+
+
 def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: str,
                   checkpoint_dir: Path | None = None) -> APIRouter:
     run_dir = Path(run_dir)
@@ -230,12 +242,16 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
         groups: dict[str, dict] = {}
         for s in store.samples(limit=240):  # newest checkpoint first
             group = groups.setdefault(s["checkpoint"], {"checkpoint": s["checkpoint"], "epoch": s["epoch"],
-                                                        "time": s["time"], "items": []})
+                                                        "time": s["time"], "items": [], "complete": True})
             group["items"].append({**s, "url": f"/files/{s['path']}"})
-        shown = list(groups.values())[:6]
+            group["complete"] &= (run_dir / s["path"]).is_file()
+        # A checkpoint shows once every one of its images exists (not while they are being drawn,
+        # nor after its folder was removed).
+        shown = [g for g in groups.values() if g["complete"]][:6]
         items = [s for g in shown for s in g["items"]]
         return render(request, "samples.html", "/samples", groups=shown,
                       composition_tags=any(s["tag"] in ("seen", "held-out") for s in items),
+                      shapes_prompts=_shapes_prompts(load_run_prompts(run_dir), items),
                       with_reference=any(s["reference"] for s in items))
 
     @router.get("/join", response_class=HTMLResponse)

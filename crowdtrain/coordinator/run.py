@@ -9,6 +9,7 @@ checkpoints. This process never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,10 +23,12 @@ from pathlib import Path
 
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.ports import Port, check_ports, cmdline, parent_pid
+from crowdtrain.coordinator.restart import compare_specs
 from crowdtrain.data.sample_prompts import RUN_FILE as RUN_PROMPTS_FILE
 from crowdtrain.lifecycle import die_with_parent, exit_on_signals
 from crowdtrain.model.config import get_preset
 from crowdtrain.runspec import files
+from crowdtrain.runspec.schedule import RunSchedule, read_schedule, schedule_at_start, write_schedule
 from crowdtrain.runspec.swarm import SwarmConfig, demo_swarm_config, laptop_swarm_config
 from crowdtrain.runspec.tokens import CoordinatorKey
 
@@ -61,8 +64,15 @@ class CoordinatorConfig:
     token_requests_per_minute: int = 120  # per API key (per address without one), on /api/token
     samples_every_checkpoints: int = 1  # gallery images from every N-th checkpoint (0: never)
     sample_prompts: str | None = None  # a prompts file (crowdtrain.data.sample_prompts); default: from the data
+    # Train for this long instead of a given total_epochs: the auxiliary peer sizes the total from
+    # the swarm's measured pace (crowdtrain.runspec.schedule).
+    time_budget_s: float | None = None
 
     def __post_init__(self):
+        if self.time_budget_s is not None and "total_epochs" in self.swarm_overrides:
+            raise ValueError("--time-budget and --swarm total_epochs both set the schedule's length: give one of them")
+        if self.time_budget_s is not None and not 0 < self.time_budget_s <= 366 * 86400:
+            raise ValueError(f"--time-budget must be longer than 0 and at most a year, got {self.time_budget_s} s")
         if self.auth not in ("open", "allowlist"):
             raise ValueError(f"--auth must be open or allowlist, got {self.auth!r}")
         if not 10 <= self.token_lifetime_s <= 7 * 86400:
@@ -93,7 +103,13 @@ class CoordinatorConfig:
 
     def swarm_config(self) -> SwarmConfig:
         base = SWARM_PRESETS[self.swarm_preset]()
-        return dataclasses.replace(base, run_id=self.run_id, **self.swarm_overrides)
+        overrides = dict(self.swarm_overrides)
+        if self.time_budget_s is not None:
+            # The total is sized later; until then the stored value only has to be a valid one.
+            warmup = overrides.get("warmup_epochs", base.warmup_epochs)
+            overrides["total_epochs"] = max(base.total_epochs, warmup + 1) if isinstance(warmup, int) \
+                else base.total_epochs
+        return dataclasses.replace(base, run_id=self.run_id, **overrides)
 
     @property
     def url(self) -> str:
@@ -258,6 +274,54 @@ def resolve_shards(config: CoordinatorConfig) -> Path | None:
     raise FileNotFoundError(f"--data {config.data!r} is neither a shard folder, a URL, a hub id nor 'shapes'")
 
 
+def _run_has_trained(run_dir: Path, spec: dict) -> bool:
+    """Whether a swarm may be training this run: a checkpoint or a metrics record exists. Before
+    that, a restart may change anything (e.g. fix a setting the first start failed on)."""
+    checkpoints = Path(spec.get("checkpoint_dir") or run_dir / "checkpoints")
+    metrics = run_dir / files.METRICS
+    return any(checkpoints.glob("step-*")) or (metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def settle_with_stored_run(run_dir: Path, config: CoordinatorConfig, spec: dict) -> RunSchedule:
+    """Compare this start's settings with the stored run's (``coordinator.json`` of the last start)
+    and log each change; refuse those a live swarm cannot take (``crowdtrain.coordinator.restart``),
+    with an error naming the flag. Returns the schedule to start with (an extension continues from
+    the current epoch; no flag keeps the stored one) and puts it into ``spec``'s swarm settings."""
+    try:
+        stored_spec = json.loads((run_dir / "coordinator.json").read_text())
+    except (OSError, ValueError):
+        stored_spec = None
+    stored, problem = read_schedule(run_dir)
+    if problem:
+        logger.warning("%s; taking the schedule from the stored settings", problem)
+    if stored is None and isinstance(stored_spec, dict):  # a run from before schedule.json
+        old = stored_spec.get("swarm") or {}
+        with contextlib.suppress(TypeError, ValueError):
+            stored = RunSchedule(total_epochs=int(old["total_epochs"]), warmup_epochs=int(old["warmup_epochs"])).check()
+    if isinstance(stored_spec, dict):
+        trained = _run_has_trained(run_dir, stored_spec)
+        changes = compare_specs(stored_spec, spec)
+        if changes.refused and trained:
+            raise ValueError(changes.error(run_dir))
+        for line in changes.accepted + [f"{r} (accepted: the run has not trained yet)" for r in changes.refused]:
+            logger.warning("changed from the stored run: %s", line)
+        if not trained:
+            stored = None  # nothing to continue: this start's schedule, as on a fresh run
+    swarm = spec["swarm"]
+    status, _ = files.read_status(run_dir)
+    schedule, notes = schedule_at_start(
+        stored, total_epochs=swarm["total_epochs"], warmup_epochs=swarm["warmup_epochs"],
+        explicit_total="total_epochs" in config.swarm_overrides, explicit_warmup="warmup_epochs" in config.swarm_overrides,
+        time_budget_s=config.time_budget_s, reached_epoch=status.epoch or None)
+    for line in notes:
+        logger.warning("schedule: %s", line)
+    swarm["warmup_epochs"] = schedule.warmup_epochs
+    swarm["total_epochs"] = (schedule.total_epochs if schedule.total_epochs is not None
+                             else max(swarm["total_epochs"], schedule.warmup_epochs + 1))
+    SwarmConfig.from_dict(swarm)  # still a valid setting for volunteers
+    return schedule
+
+
 def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
     """An auxiliary peer of this run still alive holds the DHT port and identity; end it before
     starting a new one. It ends by itself within seconds of its coordinator's death (see
@@ -401,7 +465,9 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     store = Store(config.db)  # creates the tables before the auxiliary peer writes to them
     shards_dir = resolve_shards(config)
     spec = build_spec(config, shards_dir)
+    schedule = settle_with_stored_run(run_dir, config, spec)
     (run_dir / "coordinator.json").write_text(json.dumps(spec, indent=2))
+    write_schedule(run_dir, schedule)
     (run_dir / RUN_PROMPTS_FILE).write_text(json.dumps(
         [{k: v for k, v in p.items() if k != "reference"} for p in spec["sample_prompts"]], indent=1))
     _end_leftover_aux(run_dir)

@@ -100,21 +100,44 @@ def _inside(root: Path, relative: str) -> Path:
     return path
 
 
+def time_to_the_end(*, epoch: int, total: int, epochs_per_second: float | None, samples_per_second: float,
+                    target_batch_size: int | None) -> float | None:
+    """Seconds until the swarm reaches ``total`` at its recent pace: the auxiliary peer's measure of
+    global epochs per second over the last few minutes (``crowdtrain.runspec.schedule.EpochRate``);
+    before two epochs have passed, the swarm's samples/s against the target batch. Not the pace
+    over a fixed long window: early in a run that window held the minutes before the first volunteer
+    arrived and the slow first epochs, and the estimate was 5x too long."""
+    if not total:
+        return None
+    pace = epochs_per_second
+    if not pace and target_batch_size:
+        pace = samples_per_second / target_batch_size
+    return max(total - epoch, 0) / pace if pace and pace > 0 else None
+
+
 def run_status(run_dir: Path, store: Store) -> dict:
     """The run at a glance, for the API and the pages."""
     info, info_problem = read_run_info(run_dir)
     status, status_problem = read_status(run_dir)
     swarm = info.swarm if info is not None else {}
-    live = status.peers
-    history = store.swarm_history(since=time.time() - 600)
+    schedule = info.schedule if info is not None and isinstance(info.schedule, dict) else None
+    live = [p for p in status.peers if isinstance(p, dict)]  # the auxiliary peer lists the live ones only
     epoch = status.epoch
-    total = int(status.total_epochs or swarm.get("total_epochs") or 0)
+    if schedule is not None:  # total_epochs is None while a time budget is being sized
+        total = int(schedule.get("total_epochs") or 0)
+        finished_at = schedule.get("finished_at")
+    else:  # an auxiliary peer from before schedules
+        total, finished_at = int(status.total_epochs or swarm.get("total_epochs") or 0), status.finished_at
     eta_s = None  # unknown while nobody trains: the run is paused, not ending at the old pace
-    if live and len(history) >= 2 and history[-1]["epoch"] > history[0]["epoch"] and total:
-        rate = (history[-1]["epoch"] - history[0]["epoch"]) / max(history[-1]["time"] - history[0]["time"], 1e-9)
-        eta_s = max(total - epoch, 0) / rate
+    if live and finished_at is None:
+        samples_per_second = sum(float(p.get("samples_per_second") or 0.0) for p in live)
+        eta_s = time_to_the_end(epoch=epoch, total=total, epochs_per_second=status.epochs_per_second,
+                                samples_per_second=samples_per_second,
+                                target_batch_size=swarm.get("target_batch_size") or status.target_batch_size)
+        if not total and schedule is not None and schedule.get("time_budget_s") and schedule.get("started"):
+            eta_s = max(0.0, schedule["started"] + schedule["time_budget_s"] - time.time())  # the budget's end
     # A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
-    live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live if isinstance(p, dict)]
+    live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live]
     losses = [p["loss"] for p in live]
     task = info.task if info is not None else {}
     problems = [p for p in (info_problem, status_problem) if p]
@@ -125,6 +148,8 @@ def run_status(run_dir: Path, store: Store) -> dict:
             "total_epochs": total, "target_batch_size": swarm.get("target_batch_size"),
             "active_peers": len(live), "samples_per_second": float(status.samples_per_second),
             "loss": sum(losses) / len(losses) if losses else None, "eta_s": eta_s,
+            "epochs_per_second": status.epochs_per_second,
+            "finished": finished_at is not None, "finished_at": finished_at, "schedule": schedule or {},
             "last_checkpoint_epoch": status.last_checkpoint_epoch, "updated": status.updated,
             "peers": live, "model": task.get("model", {}), "data": task.get("data"),
             "problems": problems}

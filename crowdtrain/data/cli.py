@@ -61,6 +61,13 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="images encoded at once (default: 64)")
     p.add_argument("--nsfw-default", default="UNLIKELY",
                    help="safety flag for inputs that carry none (default: UNLIKELY = safe, as LAION's NSFW column)")
+    p.add_argument("--text-tokenizer", default=None, metavar="FILE",
+                   help="the run's text tokenizer, to check the captions fit the model (how many are cut, which "
+                        "words it does not know); default: the shipped one, which knows the shapes captions only")
+    p.add_argument("--preset", default="demo",
+                   help="model preset whose text length the captions are checked against (default: demo)")
+    p.add_argument("--text-len", type=int, default=None,
+                   help="the model's text length in tokens, if the run sets one (--model text_len=N)")
     p.set_defaults(handler=_prepare)
 
     p = dsub.add_parser("serve", help="serve a shard folder over HTTP (with Range requests)")
@@ -160,14 +167,26 @@ def _shapes(args) -> int:
 
 
 def _prepare(args) -> int:
+    from crowdtrain.data.captions import caption_report, format_caption_report, split_captions
     from crowdtrain.data.shards import format_fit_report, prepare_shards, tokenizer_fit_report
-    from crowdtrain.data.tokenizers import resolve_image_tokenizer
+    from crowdtrain.data.tokenizers import SHAPES_TEXT_TOKENIZER, load_text_tokenizer, resolve_image_tokenizer
+    from crowdtrain.model.config import get_preset
 
+    # Before the long encoding pass: a wrong flag is said at once.
+    text_len = args.text_len if args.text_len is not None else get_preset(args.preset).text_len
+    if text_len < 1:
+        raise ValueError(f"--text-len must be >= 1, got {text_len}")
+    text_tokenizer = load_text_tokenizer(args.text_tokenizer or SHAPES_TEXT_TOKENIZER)
     tokenizer = resolve_image_tokenizer(args.image_tokenizer)
     summary = prepare_shards(args.input, args.out, tokenizer, split=args.split, shard_size=args.shard_size,
                              batch_size=args.batch_size, nsfw_default=args.nsfw_default)
     print(summary.format())
-    print(format_fit_report(tokenizer_fit_report(args.input, tokenizer, args.out), args.image_tokenizer))
+    print(format_fit_report(tokenizer_fit_report(args.input, tokenizer, args.out, split=args.split),
+                            args.image_tokenizer))
+    report = caption_report(split_captions(args.out, args.split), text_tokenizer, text_len)
+    print(format_caption_report(
+        report, tokenizer_name=args.text_tokenizer or "(the shipped shapes tokenizer)",
+        text_len_from=f"--text-len {text_len}" if args.text_len is not None else f"the {args.preset} preset's text_len"))
     return 0
 
 

@@ -343,21 +343,42 @@ FIT_POOR_DB = 22.0
 FIT_IMAGES = 32
 
 
-def tokenizer_fit_report(source, tokenizer, out_dir, *, num: int = FIT_IMAGES) -> dict | None:
-    """Encode and decode the first ``num`` readable images of ``source``; returns the PSNR and mean
-    absolute error of the round trip and writes ``fit_report.png`` in ``out_dir`` (originals on the
-    top row of each pair, reconstructions below). None when no image could be read."""
+def fit_sample(source, num: int, *, seed: int = 0) -> tuple[list[Item], int]:
+    """A seeded random sample of ``num`` items of ``source`` (reservoir sampling, one pass; items
+    that already carry an error are left out) and how many items it was drawn from. Random, not
+    the first files in sort order, which are often alike (one folder, one class, one style)."""
+    import random
+
+    rng = random.Random(seed)
+    item_iter, _ = iter_items(source)
+    sample: list[Item] = []
+    seen = 0
+    for item in item_iter:
+        if item.error:
+            continue
+        seen += 1
+        if len(sample) < num:
+            sample.append(item)
+        else:
+            j = rng.randrange(seen)
+            if j < num:
+                sample[j] = item
+    return sample, seen
+
+
+def tokenizer_fit_report(source, tokenizer, out_dir, *, num: int = FIT_IMAGES, split: str = "train",
+                         seed: int = 0) -> dict | None:
+    """Encode and decode a seeded random sample of ``num`` images of ``source`` (:func:`fit_sample`);
+    returns the PSNR and mean absolute error of the round trip and writes ``fit_report-SPLIT.png`` in
+    ``out_dir`` (originals on the top row of each pair, reconstructions below), so each split's
+    `data prepare` keeps its own picture. None when no image could be read."""
     from PIL import Image
 
     from crowdtrain.data.vq_train import fit_image
 
-    item_iter, _ = iter_items(source)
+    sample, population = fit_sample(source, num, seed=seed)
     originals = []
-    for item in item_iter:
-        if len(originals) == num:
-            break
-        if item.error:
-            continue
+    for item in sample:
         try:
             if item.image is not None:
                 im = Image.fromarray(item.image)
@@ -383,18 +404,21 @@ def tokenizer_fit_report(source, tokenizer, out_dir, *, num: int = FIT_IMAGES) -
         y, x = r * (2 * size + 6), c * (size + 2)
         sheet[y: y + size, x: x + size] = a
         sheet[y + size + 1: y + 2 * size + 1, x: x + size] = b
-    picture = Path(out_dir) / "fit_report.png"
+    picture = Path(out_dir) / f"fit_report-{split}.png"
     Image.fromarray(sheet).resize((sheet.shape[1] * 2, sheet.shape[0] * 2), Image.NEAREST).save(picture)
-    return {"images": len(batch), "psnr_db": psnr, "mean_abs_error": float(np.abs(err).mean()),
-            "picture": str(picture), "poor": psnr < FIT_POOR_DB}
+    return {"images": len(batch), "of": population, "split": split, "seed": seed, "psnr_db": psnr,
+            "mean_abs_error": float(np.abs(err).mean()), "picture": str(picture), "poor": psnr < FIT_POOR_DB,
+            "sources": [item.source for item in sample]}
 
 
 def format_fit_report(report: dict | None, tokenizer_name: str) -> str:
     if report is None:
         return "tokenizer fit: no readable image to check"
     psnr = "exact" if math.isinf(report["psnr_db"]) else f"PSNR {report['psnr_db']:.1f} dB"
+    drawn = (f" ({report['split']} split, a random sample of {report['of']}, seed {report['seed']})"
+             if "of" in report else "")
     line = (f"tokenizer fit: {psnr}, mean error {report['mean_abs_error']:.1f}/255 on {report['images']} of your "
-            f"images (originals over reconstructions: {report['picture']})")
+            f"images{drawn} (originals over reconstructions: {report['picture']})")
     if not report["poor"]:
         return line
     return (line + f"\nWARNING: the image tokenizer ({tokenizer_name}) loses much of your images (below "

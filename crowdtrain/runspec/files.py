@@ -7,6 +7,8 @@ peer). The peer writes, the web side and the tools (testbed, benchmarks) read:
 - ``run.json`` (:class:`RunInfo`): what ``GET /api/join`` serves, written once the peer's DHT is
   up; a volunteer checks it whole (``crowdtrain.swarm.join_info``);
 - ``status.json`` (:class:`RunStatus`): the swarm now, rewritten every refresh;
+- ``schedule.json`` (``crowdtrain.runspec.schedule.RunSchedule``): the schedule now, written by the
+  coordinator at each start and updated by the peer (a time budget sized, the run finished);
 - ``metrics.jsonl``: every peer's signed metrics record as collected, one JSON object a line
   (``crowdtrain.swarm.metrics.PeerMetrics``), appended;
 - ``known_peers.json``: peer ID -> multiaddrs of the peers seen lately, read by the next start
@@ -74,6 +76,8 @@ class RunInfo(_Schema):
     auth: dict = field(default_factory=dict)  # {"mode", "coordinator_public_key", "token_url", "token_lifetime_s"}
     text_tokenizer: typing.Optional[dict] = None  # {"url", "sha256", "path" (dropped by /api/join)}
     initial_model: typing.Optional[dict] = None  # {"seed", "digest"} while the run is at epoch 0
+    # crowdtrain.runspec.schedule.RunSchedule: the schedule now (volunteers re-read it while they train)
+    schedule: typing.Optional[dict] = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,9 @@ class RunStatus(_Schema):
     # The swarm's rounds over the last minutes (crowdtrain.swarm.metrics.RoundHealth.summary):
     # window_s, rounds, apart (averaged with nobody while others trained), users (whose rounds were)
     rounds: dict = field(default_factory=dict)
+    finished_at: typing.Optional[float] = None  # when the swarm reached total_epochs (the run has finished)
+    # The swarm's recent pace (crowdtrain.runspec.schedule.EpochRate); None before two epoch changes.
+    epochs_per_second: typing.Optional[float] = None
 
 
 def _read_typed(path: Path, cls):

@@ -36,6 +36,15 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+# The settings a live run may change (crowdtrain.coordinator.restart): the schedule, which every
+# volunteer picks up while it trains (crowdtrain.swarm.schedule_watch), and what each peer applies
+# on its own, where peers with different values still train one model together (volunteers keep
+# theirs until they rejoin). Every other setting is refused on a restart of a run that trained.
+SCHEDULE_SETTINGS = ("total_epochs", "warmup_epochs")
+PEER_LOCAL_SETTINGS = ("matchmaking_time_s", "averaging_timeout_s", "load_state_timeout_s", "average_state_every",
+                       "compression_threshold", "delay_optimizer_step", "offload_optimizer", "checkpoint_every_epochs",
+                       "max_state_uploads", "clip_radius", "clip_iterations", "outlier_distance", "max_weight_ratio")
+
 MODES = ("sync", "diloco")
 AGGREGATIONS = ("mean", "centered_clip")
 INNER_OPTIMIZERS = ("adamw", "lamb8bit")

@@ -7,9 +7,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "join", help="join a run as a volunteer: one command",
         description="Fetch a run's configuration from its coordinator, check this machine builds the same "
-                    "model, download the current state from peers, stream data and train with the swarm. "
-                    "Ctrl-C leaves cleanly. One progress line per step: epoch, local loss, samples/s, samples "
-                    "contributed, peers in the last averaging round.")
+                    "model, download the current state from peers, stream data and train with the swarm, until "
+                    "the run's last epoch (the organizer may extend it while you train). Ctrl-C leaves cleanly. One "
+                    "progress line per step: epoch, local loss, samples/s, samples contributed, peers in the last "
+                    "averaging round.")
     p.add_argument("url", help="the coordinator's address, e.g. http://HOST:8000")
     p.add_argument("--batch-size", type=int, default=16, help="samples per local step (lower it if out of memory)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -30,7 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--simulated-step-s", type=float, default=0.0,
                    help="pad each step's computation (not its waiting for peers) to at least this many seconds "
                         "(emulates a slower device)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core); with several volunteers on one machine give "
+                        "each cores / volunteers, e.g. --threads 1 for two on 2 cores (3-4x faster than the default)")
     p.add_argument("--data-outage-patience-s", type=float, default=600.0,
                    help="how long the run's data source (the coordinator's shards) may stay unreachable before "
                         "this peer gives up; meanwhile it retries with back-off and trains on rows already read")

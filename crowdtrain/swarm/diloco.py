@@ -57,7 +57,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
-from crowdtrain.optim import param_groups, warmup_decay_at
+from crowdtrain.optim import Schedule, param_groups
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.runspec.swarm import SwarmConfig
@@ -269,10 +269,12 @@ class DiLoCoOptimizer:
 
     def __init__(self, *, dht, model: torch.nn.Module, config: SwarmConfig, batch_size: int,
                  client_mode: bool = False, attack=None, verbose: bool = False, access_guard=None,
-                 final_epoch: int | None = None, state_uploads: dict | None = None):
+                 final_epoch: int | None = None, state_uploads: dict | None = None, schedule: Schedule | None = None):
         from crowdtrain.swarm.auth import guarded
 
         self.config, self.batch_size, self.client_mode = config, batch_size, client_mode
+        # The inner learning rate's schedule, read at every step (moves when the run is extended).
+        self.schedule = schedule or Schedule.from_config(config)
         self.final_epoch = final_epoch  # this peer leaves on reaching it (``join --max-epochs``)
         groups = param_groups(model, config.weight_decay)
         self.params = global_param_order(model)
@@ -488,8 +490,7 @@ class DiLoCoOptimizer:
     def _set_inner_lr(self) -> None:
         # Keyed on the fractional global epoch, so the schedule moves within long rounds too.
         progress = min(1.0, self.tracker.global_progress.samples_accumulated / self.config.target_batch_size)
-        factor = warmup_decay_at(self._progress_epoch + progress, warmup=self.config.warmup_epochs,
-                                 total=self.config.total_epochs)
+        factor = self.schedule.factor_at(self._progress_epoch + progress)
         for group in self.inner.param_groups:
             group["lr"] = self.config.lr * factor
 

@@ -183,10 +183,21 @@ class RoundRecord(pydantic.BaseModel):
     group_size: pydantic.conint(ge=2, strict=True)
 
 
+class LeavingRecord(pydantic.BaseModel):
+    """A peer's process is leaving the run for good (see :func:`publish_leaving`)."""
+    time: pydantic.confloat(ge=0.0, le=MAX_TIME, strict=True, allow_inf_nan=False)
+    epoch: Count  # the global epoch it leaves at
+
+
 class RunSchema(pydantic.BaseModel):
     metrics: Dict[BytesWithPublicKey, PeerMetrics]
     auth: Dict[BytesWithPublicKey, AccessTokenRecord]
     rounds: Dict[BytesWithPublicKey, RoundRecord]
+    # A key of its own, not a field of PeerMetrics: hivemind's schema check refuses a record that
+    # lacks a field (even one with a default) or has one more, so a new field would make peers of
+    # two versions refuse each other's metrics. Peers whose schema has no ``leaving`` accept records
+    # under it (unknown keys are allowed).
+    leaving: Dict[BytesWithPublicKey, LeavingRecord]
 
 
 class CountingSchemaValidator(SchemaValidator):
@@ -339,6 +350,66 @@ def screen(stored: list[StoredRecord], *, run_id: str, now: float, user_of: Call
         else:
             records.append(record)
     return records, dropped
+
+
+def leaving_key(run_id: str) -> str:
+    return f"{run_id}_leaving"
+
+
+def publish_leaving(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, *, epoch: int,
+                    expiration_s: float = 120.0):
+    """Say (in the background) that this peer is leaving for good: its metrics record outlives it in
+    the DHT for up to a minute, and readers would count it as training until then. Stored under the
+    key that signs its metrics records, so no other peer can say it for this one; the store's future."""
+    record = LeavingRecord(time=get_dht_time(), epoch=epoch)
+    return dht.store(key=leaving_key(run_id), subkey=signer.local_public_key, value=record.dict(),
+                     expiration_time=get_dht_time() + expiration_s, return_future=True)
+
+
+def fetch_leaving(dht: hivemind.DHT, run_id: str, *, timeout_s: float = 10.0) -> set:
+    """The signing keys (subkeys) of the peers that said they are leaving, as stored lately."""
+    try:
+        found = dht.get(leaving_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+    except Exception as e:  # a slow DHT: nobody known to be leaving this time
+        logger.debug("could not read leaving peers: %r", e)
+        return set()
+    if found is None or not isinstance(found.value, dict):
+        return set()
+    gone = set()
+    for subkey, entry in found.value.items():
+        try:
+            LeavingRecord.parse_obj(entry.value)
+        except (pydantic.ValidationError, TypeError):
+            continue
+        gone.add(subkey)
+    return gone
+
+
+def leaving_peer_ids(stored: list[StoredRecord], leaving: set, run_id: str) -> set[str]:
+    """The peer IDs of the metrics records stored under a key that said it is leaving; only a record
+    whose identity vouches for that key counts (:func:`signer_peer_id`), so a peer can say it of
+    itself alone, never of another."""
+    gone = set()
+    for item in stored:
+        if item.subkey not in leaving:
+            continue
+        try:
+            record = PeerMetrics.parse_obj(item.value)
+        except (pydantic.ValidationError, TypeError):
+            continue
+        if signer_peer_id(record, item.subkey, run_id) == record.peer_id:
+            gone.add(record.peer_id)
+    return gone
+
+
+def live_records(records: list[PeerMetrics], *, now: float, gone: set = frozenset(),
+                 window_s: float = 60.0) -> tuple[list[PeerMetrics], list[PeerMetrics]]:
+    """(recent, live): the records stored within ``window_s`` of ``now`` (a record lives a minute in
+    the DHT), and those of peers still training, i.e. not ``gone`` (:func:`leaving_peer_ids`): a
+    peer that left is gone though its record is still there. The swarm's epoch is the recent
+    records' (a peer that left at the last epoch reached it); peers and throughput are the live ones'."""
+    recent = [r for r in records if now - r.time < window_s]
+    return recent, [r for r in recent if r.peer_id not in gone]
 
 
 def rounds_key(run_id: str) -> str:

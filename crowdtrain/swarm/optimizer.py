@@ -20,7 +20,7 @@ import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.dht.crypto import RSASignatureValidator
 
-from crowdtrain.optim import linear_warmup_decay, param_groups
+from crowdtrain.optim import Schedule, param_groups
 from crowdtrain.swarm.auth import AccessGuard
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.compression import PaperCompression
@@ -88,9 +88,14 @@ def make_lamb(params, config: SwarmConfig) -> ClippedLAMB8bit:
                            weight_decay=config.weight_decay, clip_grad_norm=config.clip_grad_norm)
 
 
-def make_scheduler(optimizer, config: SwarmConfig):
-    schedule = partial(linear_warmup_decay, warmup_steps=config.warmup_epochs, total_steps=config.total_epochs)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+def make_scheduler(optimizer, config: SwarmConfig, schedule: Schedule | None = None):
+    """hivemind steps this scheduler (in the trainer's process, from its state averager: once per
+    global epoch, and after a state download) to the peer's epoch; each step reads ``schedule``
+    (default: the config's, fixed), so a total moved while the peer trains takes effect at its next
+    epoch. A plain function, not a callable object: LambdaLR would store an object's attributes
+    (the schedule's lock) in its state dict."""
+    schedule = schedule or Schedule.from_config(config)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: schedule.step_factor(epoch))
 
 
 _NEVER = 2**62  # an ``average_state_every`` that no epoch reaches
@@ -517,14 +522,16 @@ class SwarmOptimizer(RoundHooks):
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
                     client_mode: bool = False, auxiliary: bool = False, verbose: bool = False, attack=None,
                     access_guard: AccessGuard | None = None, signer: RSASignatureValidator | None = None,
-                    final_epoch: int | None = None, upload_delay_s: float = 0.0):
+                    final_epoch: int | None = None, upload_delay_s: float = 0.0, schedule: Schedule | None = None):
     """The run's optimizer for its ``mode``: SwarmOptimizer (sync) or DiLoCoOptimizer (diloco).
 
     ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends. ``signer``
     (this peer's, from ``crowdtrain.swarm.metrics.make_validators``) signs its round records.
     ``final_epoch``: the epoch at which this peer will leave (sync mode skips the state round there;
     DiLoCo mode starts no round past it). ``upload_delay_s`` (tests only): hold each state this
-    peer sends (``crowdtrain.swarm.hivemind_seam.state.StateUploadLimit``).
+    peer sends (``crowdtrain.swarm.hivemind_seam.state.StateUploadLimit``). ``schedule``: the
+    learning-rate schedule the optimizer reads at each step (``crowdtrain.optim.Schedule``; default:
+    the config's, fixed), which a volunteer moves when the organizer extends the run.
     """
     check_hivemind_version()
     uploads = {"max_state_uploads": config.max_state_uploads, "upload_delay_s": upload_delay_s}
@@ -533,7 +540,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
 
         return DiLoCoOptimizer(dht=dht, model=model, config=config, batch_size=batch_size, client_mode=client_mode,
                                attack=attack, verbose=verbose, access_guard=access_guard, final_epoch=final_epoch,
-                               state_uploads=uploads)
+                               state_uploads=uploads, schedule=schedule)
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
         access_guard=access_guard, give_up_s=config.load_state_give_up_s, signer=signer, final_epoch=final_epoch,
@@ -541,7 +548,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
         optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),
-        scheduler=partial(make_scheduler, config=config),
+        scheduler=partial(make_scheduler, config=config, schedule=schedule),
         matchmaking_time=config.matchmaking_time_s, averaging_timeout=config.averaging_timeout_s,
         load_state_timeout=config.load_state_timeout_s, average_state_every=config.average_state_every,
         offload_optimizer=config.offload_optimizer, delay_optimizer_step=config.delay_optimizer_step,

@@ -187,6 +187,9 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     base = config.coordinator_url.rstrip("/")
     # First, before seconds of imports (hivemind, bitsandbytes): a wrong address is said at once.
     info = fetch_json(f"{base}/api/join", api_key=config.api_key)
+    from crowdtrain.swarm.schedule_watch import ScheduleWatch, check_not_finished, run_schedule
+
+    check_not_finished(info, base)  # a finished run: nothing to train, say so at once
 
     import hivemind
 
@@ -206,6 +209,12 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     checked = check_join_info(info, model_overrides=config.model_overrides, source=base, device=config.device)
     swarm, model_config = checked.swarm, checked.model
     check_fingerprint(info, model_config)
+    from crowdtrain.optim import Schedule
+
+    # The learning-rate schedule the optimizer reads at each step; `watch` keeps it the coordinator's.
+    joined_schedule = run_schedule(info, swarm)
+    schedule = Schedule(warmup_epochs=joined_schedule.warmup_epochs, total_epochs=joined_schedule.total_epochs)
+    watch = ScheduleWatch(base, info, schedule, api_key=config.api_key)
     tokenizer = None
     if info.get("text_tokenizer"):
         tokenizer = download_asset(info["text_tokenizer"]["url"], info["text_tokenizer"]["sha256"],
@@ -255,7 +264,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
                                         client_mode=config.client_mode, verbose=config.verbose,
                                         access_guard=access.guard, attack=attack_from_fault(config.fault),
                                         upload_delay_s=upload_delay_from_fault(config.fault),
-                                        signer=signer, final_epoch=config.max_epochs)
+                                        signer=signer, final_epoch=watch.final_epoch(config.max_epochs),
+                                        schedule=schedule)
     except BaseException:
         _abandon_start_up(dht, access, threads_before)
         raise
@@ -290,8 +300,9 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         logger.info("peer %s joined run %s at epoch %d (state loaded in %.1fs)", peer_id[-8:], swarm.run_id,
                     joined_epoch, time.perf_counter() - t_join)
         summary.update(joined_epoch=joined_epoch, state_load_s=time.perf_counter() - t_join)
+        watch.start()
         _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
-                    swarm_metrics, all_finite, autocast_context, t_join)
+                    swarm_metrics, all_finite, autocast_context, t_join, run_end=watch)
     except StateUnavailable as e:
         reason = (f"{e}: the run has ended or its peers are unreachable. Leaving; see {config.coordinator_url} "
                   "and join again if the run goes on")
@@ -303,15 +314,21 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         # agreed on, not one step behind; then say goodbye over the network, with a deadline:
         # after Ctrl-C in a terminal the p2p daemon has already exited and cannot answer.
         _bounded(optimizer.finish_pending_updates, 60, "the last optimizer step")
+        watch.stop()
+        if summary.get("run_finished"):
+            # Serve the final state a little longer: the coordinator checkpoints it from the peers still here.
+            _bounded(lambda: watch.wait_for_final_checkpoint(optimizer.local_epoch), 75, "waiting for the final model")
         last_record = summary.pop("_last_record", None)
         if last_record is not None:
             # The rounds finished since the last record are credited only if the coordinator
-            # hears of them: say so before leaving (the record outlives us in the DHT for a minute).
+            # hears of them: say so before leaving (the record outlives us in the DHT for a minute;
+            # the leaving record tells the coordinator to count this peer as gone at once).
             final = swarm_metrics.PeerMetrics(**{**last_record, **optimizer.ledger.record_fields(),
                                                  "epoch": optimizer.local_epoch, "time": time.time()})
             def publish_final():
                 try:
                     swarm_metrics.publish(dht, swarm.run_id, signer, final).result()
+                    swarm_metrics.publish_leaving(dht, swarm.run_id, signer, epoch=optimizer.local_epoch).result()
                 except Exception as e:  # the p2p daemon already gone (Ctrl-C in a terminal)
                     logger.debug("could not store the last metrics record: %r", e)
 
@@ -339,6 +356,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         bootstrap_watch.join(10)
         _bounded(optimizer.shutdown, 30, "leaving the averaging groups")
         _bounded(dht.shutdown, 15, "stopping the DHT")
+        if summary.get("run_finished"):
+            logger.info("%s", summary["run_finished"])
     return summary
 
 
@@ -441,7 +460,7 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
 
 
 def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
-                swarm_metrics, all_finite, autocast_context, t_join) -> None:
+                swarm_metrics, all_finite, autocast_context, t_join, run_end=None) -> None:
     batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
     start = time.perf_counter()
     contributed = steps = dropped = 0
@@ -452,6 +471,12 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
     epoch_seen = optimizer.local_epoch
     first_contribution_s = None
     while not stop_event.is_set():
+        if run_end is not None:  # the run's end (crowdtrain.swarm.schedule_watch), moved when it is extended
+            optimizer.final_epoch = run_end.final_epoch(config.max_epochs)
+            if run_end.at_end(optimizer.local_epoch):
+                summary["run_finished"] = run_end.finished_message(optimizer.local_epoch)
+                logger.info("the swarm reached the run's last epoch (%d); leaving", optimizer.local_epoch)
+                break
         if config.max_epochs is not None and optimizer.local_epoch >= config.max_epochs:
             logger.info("the swarm reached epoch %d; leaving", optimizer.local_epoch)
             break

@@ -89,8 +89,8 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
         while time.monotonic() < end:
             time.sleep(min(15.0, max(0.0, end - time.monotonic())))
             if all(proc.poll() is not None for proc in volunteers.values()):
-                if max_epochs and all(proc.returncode == 0 for proc in volunteers.values()):
-                    break  # every volunteer reached --max-epochs
+                if all(proc.returncode == 0 for proc in volunteers.values()):
+                    break  # every volunteer reached --max-epochs, or the run's last epoch
                 raise RuntimeError(f"every volunteer exited early; see the logs in {out / 'logs'}")
             try:
                 status = launch.get_json(f"{url}/api/status")

@@ -31,7 +31,9 @@
     setStat("active_peers", status.active_peers);
     setStat("samples_per_second", status.samples_per_second.toFixed(1));
     setStat("loss", status.loss === null ? "\u2014" : status.loss.toFixed(4));
-    setStat("eta", duration(status.eta_s));
+    setStat("eta", status.finished ? "finished" : duration(status.eta_s));
+    const finished = document.getElementById("run-finished");  // the server renders its text
+    if (finished && status.finished) finished.hidden = false;
     const progress = status.total_epochs ? Math.min(status.epoch / status.total_epochs, 1) : 0;
     for (const bar of document.querySelectorAll('[data-stat="progress"]')) bar.style.width = `${(progress * 100).toFixed(1)}%`;
   }
