@@ -1,6 +1,8 @@
 """What the coordinator and the volunteers share, with no dependency on either: the run's swarm
 settings (``swarm``), the access-token format (``tokens``), user names (``names``), ``KEY=VALUE``
-settings (``overrides``) and the files the auxiliary peer writes for the web side (``files``).
+settings (``overrides``), the files the auxiliary peer writes for the web side (``files``) and
+the rules both read about held-out losses: the best checkpoint, the memorising warning
+(``validation``).
 
 The package graph reads as the architecture: ``crowdtrain.swarm`` (a volunteer's training and
 averaging) and ``crowdtrain.coordinator`` (the web service, its database, the process manager)
