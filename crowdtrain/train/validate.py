@@ -27,9 +27,11 @@ from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
 logger = logging.getLogger(__name__)
 
 # Rows per split the auxiliary peer evaluates at each checkpoint (``crowdtrain coordinator
-# --valid-rows``). Time grows linearly: the demo preset takes ~3-4 s per 512 rows on one busy CPU
-# thread. The standard error of the mean loss shrinks as 1/sqrt(rows); 512 rows put it near 1% of
-# the loss on the shapes and emoji data, below the rises the memorising rule looks for (5%).
+# --valid-rows``). Time grows linearly with the rows: the demo preset takes 3.5 s of CPU per 512
+# rows on one thread (6-9 s of wall time on a 2-core machine busy with three trainers): lower it
+# if checkpoints hold up the run. The standard error of the mean loss is the rows' spread over
+# sqrt(rows), 1/22 of it at 512: raise it if the figure jumps between checkpoints by more than the
+# 5% rises the memorising rule looks for.
 DEFAULT_MAX_ROWS = 512
 LOAD_ATTEMPTS = 3  # a split that fails to load this many times (at as many checkpoints) is given up
 
