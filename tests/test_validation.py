@@ -284,24 +284,27 @@ def test_history_downsampling_keeps_every_validation_point():
     assert gaps[1]["gap"] and gaps[1]["valid_loss"] is None
 
 
-def test_the_new_columns_are_added_to_an_older_database(tmp_path):
-    import sqlite3
+def test_the_new_columns_are_added_to_an_older_database(db_url):
+    """A database from before validation losses (SQLite or PostgreSQL) opens and keeps its rows."""
+    from sqlalchemy import text
 
-    path = tmp_path / "old.sqlite"
-    Store(f"sqlite:///{path}").close()
-    con = sqlite3.connect(path)
-    for column in ("valid_loss", "valid_rows", "best"):
-        con.execute(f"ALTER TABLE checkpoints DROP COLUMN {column}")
-    con.execute("ALTER TABLE swarm_points DROP COLUMN valid_loss")
-    con.execute("INSERT INTO checkpoints (name, epoch, loss, time, files, pruned) VALUES "
-                "('step-0000004', 4, 2.0, 0, '[]', 0)")
-    con.execute("INSERT INTO swarm_points (time, epoch, loss, active_peers, samples_per_second) VALUES (1, 4, 2.0, 1, 5)")
-    con.commit()
-    con.close()
-    store = Store(f"sqlite:///{path}")
+    store = Store(db_url)
+    with store.engine.begin() as conn:
+        for column in ("valid_loss", "valid_rows", "best"):
+            conn.execute(text(f"ALTER TABLE checkpoints DROP COLUMN {column}"))
+        conn.execute(text("ALTER TABLE swarm_points DROP COLUMN valid_loss"))
+        conn.execute(text("INSERT INTO checkpoints (name, epoch, loss, time, files, pruned) VALUES "
+                          "('step-0000004', 4, 2.0, 0, '[]', FALSE)"))
+        conn.execute(text("INSERT INTO swarm_points (time, epoch, loss, active_peers, samples_per_second) "
+                          "VALUES (1, 4, 2.0, 1, 5)"))
+    store.close()
+    store = Store(db_url)
     assert store.checkpoints() == [{"name": "step-0000004", "epoch": 4, "loss": 2.0, "time": 0.0, "files": [],
                                     "pruned": False, "valid_loss": None, "valid_rows": None, "best": False}]
     assert store.swarm_history()[0]["valid_loss"] is None
+    store.record_checkpoint(name="step-0000006", epoch=6, loss=1.5, files=[], valid_loss={"valid": 2.5})
+    store.mark_best("step-0000006")
+    assert [(c["valid_loss"], c["best"]) for c in store.checkpoints()] == [(None, False), ({"valid": 2.5}, True)]
     store.close()
 
 
