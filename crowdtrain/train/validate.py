@@ -204,11 +204,10 @@ def evaluate_quality(checkpoint, *, data: str | Path | None = None, samples_per_
     there is none), and flat ``adherence_seen`` / ``adherence_heldout`` / ``objects_*`` (None when
     not measured) for the demo and the benchmarks.
     """
-    from crowdtrain.checkpoint import load_checkpoint, read_meta
-    from crowdtrain.data.judges import judge_for_data
-
     import re
 
+    from crowdtrain.checkpoint import load_checkpoint, read_meta
+    from crowdtrain.data.judges import judge_for_data
     from crowdtrain.data.streaming import HUB_ID
 
     meta = read_meta(checkpoint)
@@ -247,9 +246,7 @@ def evaluate_quality(checkpoint, *, data: str | Path | None = None, samples_per_
         out["adherence_note"] = "prompt adherence not asked for"
         return out
     from crowdtrain.data.evaluate import evaluate_generator
-    from crowdtrain.data.generate import Generator
-
-    from crowdtrain.data.generate import TokenizerMismatch
+    from crowdtrain.data.generate import Generator, TokenizerMismatch
 
     del model  # the generator loads its own copy, with the image tokenizer it is checked against
     try:
