@@ -11,7 +11,9 @@ sees in the coordinator's database (``crowdtrain.coordinator.db``) and run folde
    swarm settings, initial peers;
 3. collects every peer's signed metrics records into ``metrics.jsonl`` and ``status.json``;
 4. every ``checkpoint_every_epochs`` downloads the newest model and optimizer state from the
-   peers and writes a checkpoint (the last ``keep_checkpoints`` are kept);
+   peers, measures its loss on fixed rows of each held-out split of the run's data (the
+   validation loss: ``crowdtrain.train.validate.HeldOutSet``) and writes a checkpoint (the last
+   ``keep_checkpoints`` are kept, and the one with the lowest validation loss);
 5. serves that state to newcomers when no trainer is around, e.g. after everyone left, and on
    start resumes from the latest checkpoint;
 6. keeps the schedule (``crowdtrain.runspec.schedule``): sizes a time budget's total from the
@@ -37,8 +39,8 @@ from pathlib import Path
 import hivemind
 import torch
 
-from crowdtrain.checkpoint import (checkpoint_name, flatten_optimizer_state, latest_checkpoint, load_optimizer_state,
-                                   prune_checkpoints, save_checkpoint, unflatten_optimizer_state)
+from crowdtrain.checkpoint import (best_checkpoint, checkpoint_name, flatten_optimizer_state, latest_checkpoint,
+                                   load_optimizer_state, prune_checkpoints, save_checkpoint, unflatten_optimizer_state)
 from crowdtrain.coordinator.db import Store
 from crowdtrain.lifecycle import forks_die_with_this_process
 from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, ModelConfig
@@ -57,6 +59,7 @@ from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager, set_st
 from crowdtrain.swarm.optimizer import make_lamb, make_scheduler
 from crowdtrain.swarm.rounds import StateOffer
 from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
+from crowdtrain.train.validate import DEFAULT_MAX_ROWS, HeldOutSet
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +145,7 @@ class AuxPeer:
         self._reported: dict[str, int] = {}  # counters as last added to the database
         self.checkpoints_written = 0
         self.samples_possible = True  # until a checkpoint shows there is no image tokenizer for the model
+        self.held_out = self._held_out_set()
         self.stop = threading.Event()
 
     @staticmethod
@@ -178,6 +182,42 @@ class AuxPeer:
         StateOffer(self.averager, client_mode=False).offer(epoch)
         logger.info("resumed from %s at epoch %d", path, epoch)
         return epoch
+
+    def _held_out_set(self) -> HeldOutSet | None:
+        """Fixed rows of the run's held-out splits (read at the first checkpoint, then reused), or
+        None when there is nothing to measure: ``valid_rows`` 0 (``crowdtrain coordinator
+        --valid-rows``) or generated data."""
+        max_rows = int(self.spec.get("valid_rows", DEFAULT_MAX_ROWS))
+        data = self.spec["task"].get("data")
+        if max_rows < 1 or not data or data in ("pattern", "synthetic"):
+            return None
+        try:
+            from crowdtrain.data.tokenizers import default_text_tokenizer, load_text_tokenizer
+
+            path = (self.spec.get("text_tokenizer") or {}).get("path")
+            tokenizer = load_text_tokenizer(path) if path else default_text_tokenizer()
+            return HeldOutSet(data, text_tokenizer=tokenizer, model_config=self.model_config, max_rows=max_rows)
+        except Exception as e:  # the run goes on without a validation loss
+            logger.warning("no validation loss in this run: %r", e)
+            return None
+
+    def evaluate_held_out(self) -> tuple[dict[str, float], dict[str, int]]:
+        """``({split: loss}, {split: rows})`` of the model as it is now; empty when there is nothing
+        to measure or measuring failed (logged once: a checkpoint without it is still a checkpoint)."""
+        if self.held_out is None:
+            return {}, {}
+        start = time.monotonic()
+        try:
+            losses, rows = self.held_out.losses(self.model)
+        except Exception as e:
+            self._log_once(("held-out", type(e).__name__), "held-out evaluation failed (logged once): %r", e,
+                           exc_info=True)
+            return {}, {}
+        if losses:
+            logger.info("validation loss %s (%d rows in %.1f s)",
+                        ", ".join(f"{k} {v:.4f}" for k, v in losses.items()), sum(rows.values()),
+                        time.monotonic() - start)
+        return losses, rows
 
     def announce(self, *, first: bool = True) -> None:
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]  # fixed host and port: no refresh needed
@@ -326,21 +366,37 @@ class AuxPeer:
         if epoch <= self.last_checkpoint_epoch and not force:
             return
         StateOffer(self.averager, client_mode=False).offer(epoch)
+        valid_loss, valid_rows = self.evaluate_held_out()
         tensors, meta = flatten_optimizer_state(self.averager.optimizer.state_dict())
         mean_loss = sum(r.loss for r in live) / len(live)
         path = save_checkpoint(self.checkpoint_dir / checkpoint_name(epoch), self.model, step=epoch, loss=mean_loss,
                                run_config={"task": self.spec["task"], "swarm": self.swarm.to_dict()},
-                               optimizer_state=tensors, optimizer_meta=meta, assets=self.spec.get("assets"))
-        prune_checkpoints(self.checkpoint_dir, self.keep)
-        self.store.record_checkpoint(name=path.name, epoch=epoch, loss=mean_loss,
-                                     files=sorted(p.name for p in path.iterdir()))
-        self.store.mark_pruned([p.name for p in self.checkpoint_dir.glob("step-*")])
+                               optimizer_state=tensors, optimizer_meta=meta, assets=self.spec.get("assets"),
+                               valid_loss=valid_loss, valid_rows=valid_rows)
+        self.record_checkpoint(path, epoch=epoch, train_loss=mean_loss, valid_loss=valid_loss, valid_rows=valid_rows,
+                               live=live)
         self.last_checkpoint_epoch = epoch
         self.checkpoints_written += 1
         logger.info("checkpoint at epoch %d: %s (mean loss %.4f)", epoch, path, mean_loss)
         every = self.spec.get("samples_every_checkpoints", 1)
         if every and self.samples_possible and self.checkpoints_written % every == 0:
             self.make_samples(path, epoch)
+
+    def record_checkpoint(self, path: Path, *, epoch: int, train_loss: float, valid_loss: dict, valid_rows: dict,
+                          live: list[swarm_metrics.PeerMetrics]) -> None:
+        """Prune (the newest ``keep`` and the best by validation loss stay) and record a written
+        checkpoint: its row, the best mark, and a history point carrying both losses."""
+        prune_checkpoints(self.checkpoint_dir, self.keep, keep_best=True)
+        self.store.record_checkpoint(name=path.name, epoch=epoch, loss=train_loss,
+                                     files=sorted(p.name for p in path.iterdir()), valid_loss=valid_loss,
+                                     valid_rows=valid_rows)
+        self.store.mark_pruned([p.name for p in self.checkpoint_dir.glob("step-*")])
+        best = best_checkpoint(self.checkpoint_dir)
+        self.store.mark_best(best.name if best is not None else None)
+        if valid_loss:
+            self.store.record_swarm_point(epoch=epoch, loss=train_loss, active_peers=len(live),
+                                          samples_per_second=sum(r.samples_per_second for r in live),
+                                          valid_loss=valid_loss)
 
     def make_samples(self, checkpoint: Path, epoch: int, per_prompt: int = 4) -> None:
         """Images for the run's sample prompts from this checkpoint (crowdtrain.data.sample_prompts),

@@ -2,11 +2,16 @@
 
 A checkpoint is a directory::
 
-    config.json                  {"model": ModelConfig dict, "fingerprint", "step", "loss", "run": {...}}
+    config.json                  {"model": ModelConfig dict, "fingerprint", "step", "loss", "run": {...},
+                                  "valid_loss": {split: loss}, "valid_rows": {split: rows}}
     model.safetensors            the model's state dict
     optimizer.safetensors        optional: optimizer tensors (flat names), JSON meta in its metadata
     text_tokenizer.json          optional assets copied in, so a checkpoint decodes on its own
     image_tokenizer.safetensors
+
+``loss`` is the training loss when it was taken (a run's: the mean of the live peers' reported
+losses); ``valid_loss`` the mean loss on fixed rows of each held-out split of the run's data
+(``crowdtrain.train.validate.HeldOutSet``), absent in checkpoints written without one.
 
 It is written to a temporary sibling and renamed into place, so a crash mid-write never leaves
 a half checkpoint under the final name.
@@ -38,7 +43,8 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 
 def save_checkpoint(directory: str | Path, model: DalleTransformer, *, step: int, loss: float | None = None,
                     run_config: dict | None = None, optimizer_state: dict[str, torch.Tensor] | None = None,
-                    optimizer_meta: dict | None = None, assets: dict[str, str | Path] | None = None) -> Path:
+                    optimizer_meta: dict | None = None, assets: dict[str, str | Path] | None = None,
+                    valid_loss: dict[str, float] | None = None, valid_rows: dict[str, int] | None = None) -> Path:
     """Write a checkpoint directory atomically and return its path."""
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
@@ -55,6 +61,9 @@ def save_checkpoint(directory: str | Path, model: DalleTransformer, *, step: int
             shutil.copyfile(src, tmp / name)
         meta = {"model": model.config.to_dict(), "fingerprint": model.config.fingerprint(), "step": int(step),
                 "loss": None if loss is None else float(loss), "time": time.time(), "run": run_config or {}}
+        if valid_loss:
+            meta["valid_loss"] = {k: float(v) for k, v in valid_loss.items()}
+            meta["valid_rows"] = {k: int(v) for k, v in (valid_rows or {}).items()}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -133,11 +142,32 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; returns what was deleted."""
+def best_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint with the lowest held-out loss (its ``valid_loss`` on the ``valid`` split, see
+    ``crowdtrain.runspec.validation.selection_loss``); the earliest of equals; None when no
+    checkpoint has one. Read from the files, so a restarted checkpointer keeps the same one."""
+    from crowdtrain.runspec.validation import selection_loss, selection_split
+
+    scored = []
+    for path in list_checkpoints(root):
+        try:
+            scored.append((path, json.loads((path / CONFIG_FILE).read_text()).get("valid_loss")))
+        except (OSError, ValueError, AttributeError):
+            continue  # a damaged config: not a candidate
+    split = next((selection_split(v) for _, v in reversed(scored) if selection_split(v)), None)
+    ranked = [(selection_loss(v, split), i, p) for i, (p, v) in enumerate(scored)]
+    ranked = [r for r in ranked if r[0] is not None]
+    return min(ranked)[2] if ranked else None
+
+
+def prune_checkpoints(root: str | Path, keep: int, *, keep_best: bool = False) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (and, with ``keep_best``, the one of
+    :func:`best_checkpoint`); returns what was deleted. The newest stays the newest, so resuming
+    (:func:`latest_checkpoint`) never picks the best one over a later one."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (got {keep}): the newest checkpoint is never deleted")
-    doomed = list_checkpoints(root)[:-keep]
+    best = best_checkpoint(root) if keep_best else None
+    doomed = [p for p in list_checkpoints(root)[:-keep] if p != best]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

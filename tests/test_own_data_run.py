@@ -82,6 +82,21 @@ def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
         checkpoints = urllib.request.urlopen(f"{swarm.url}/checkpoints", timeout=30).read().decode()
         assert re.search(r"crowdtrain generate --checkpoint step-\d+ &#39;a blue checkerboard number 1&#39;",
                          checkpoints)
+
+        # Step 7: the auxiliary peer measured the validation loss at each checkpoint, over the
+        # coordinator's /shards, and marked the best one; `crowdtrain eval` reads the run's data itself.
+        written = json.loads(urllib.request.urlopen(f"{swarm.url}/api/checkpoints", timeout=30).read())
+        assert written and all(set(c["valid_loss"] or {}) == {"valid"} for c in written), written
+        assert all(c["valid_rows"] == {"valid": 8} for c in written)
+        assert sum(c["best"] for c in written) == 1
+        history = json.loads(urllib.request.urlopen(f"{swarm.url}/api/history", timeout=30).read())
+        assert [p["valid_loss"] for p in history if p.get("valid_loss")][-1] == written[-1]["valid_loss"]
+        last = sorted((swarm.run_dir / "checkpoints").glob("step-*"))[-1]
+        said = crowdtrain("eval", "--checkpoint", str(last))
+        found = re.search(r"valid +8 +(\d+\.\d{4})", said)
+        assert found and "no prompt adherence" in said, said
+        run_figure = {c["name"]: c["valid_loss"]["valid"] for c in written}[last.name]
+        assert float(found.group(1)) == pytest.approx(run_figure, abs=2e-4)  # the figure the run showed
     finally:
         swarm.close()
 
@@ -91,3 +106,8 @@ def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
     said = crowdtrain("generate", "--checkpoint", str(checkpoint), "a green gradient number 2", "--num-samples", "4",
                       "--keep", "2", "--out", str(out))
     assert "best 2 of 4" in said and np.asarray(Image.open(out)).shape == (4 * 68, 4 * (2 * 66 + 2), 3)
+    prompts_file = tmp_path / "to_draw.txt"
+    prompts_file.write_text("a blue checkerboard number 1\n# not this\na green gradient number 2\n")
+    said = crowdtrain("generate", "--checkpoint", str(checkpoint), "--prompts", str(prompts_file), "--num-samples",
+                      "4", "--keep", "2", "--out", str(out))
+    assert "2 rows, one per prompt" in said and np.asarray(Image.open(out)).shape[0] == 4 * (2 * 66 + 2)

@@ -251,6 +251,57 @@ def test_samples_of_a_run_on_own_images_show_its_captions_after_their_real_image
         store.close()
 
 
+def test_the_dashboard_draws_validation_losses_next_to_the_training_loss_and_warns_of_memorising(tmp_path, browser):
+    """The losses the auxiliary peer records at checkpoints, as a real browser shows them: a line
+    per held-out split on the loss chart, and the memorising problem kept current by the poll."""
+    import json
+    import time
+
+    from crowdtrain.coordinator.db import Store
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "memo", "task": {"data": "shards"}}))
+    store = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
+    now = time.time() - 120
+    valid = [3.0, 2.5, 2.7, 2.8, 2.9]  # best at epoch 4, then above it by more than 5% three times
+    for i in range(60):
+        store.record_swarm_point(epoch=i // 6, loss=4.0 - 0.04 * i, active_peers=2, samples_per_second=50.0,
+                                 at=now + 2 * i)
+        if i % 12 == 11:
+            k = i // 12
+            losses = {"valid": valid[k], "heldout": valid[k] + 1.0}
+            store.record_checkpoint(name=f"step-{2 * k + 2:07d}", epoch=2 * k + 2, loss=4.0 - 0.04 * i, files=[],
+                                    at=now + 2 * i, valid_loss=losses)
+            store.record_swarm_point(epoch=i // 6, loss=4.0 - 0.04 * i, active_peers=2, samples_per_second=50.0,
+                                     at=now + 2 * i + 0.5, valid_loss=losses)
+    url, stop = serve_app(run_dir, store)
+    try:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+        page.goto(f"{url}/dashboard")
+        page.wait_for_function("() => { const d = document.getElementById('chart-loss').data;"
+                               " return d && d.length === 3; }", timeout=30_000)
+        traces = page.evaluate("() => document.getElementById('chart-loss').data.map("
+                               "t => ({name: t.name, y: t.y}))")
+        assert [t["name"] for t in traces] == ["training", "valid (validation)", "heldout (validation)"]
+        assert traces[1]["y"] == valid and traces[2]["y"] == [v + 1.0 for v in valid]
+        assert len(traces[0]["y"]) == 65  # every swarm point, the checkpoints' included
+        problems = page.locator("#problems li").all_inner_texts()
+        assert len(problems) == 1 and "memorising" in problems[0] and "total_epochs" in problems[0]
+        page.wait_for_function("() => document.getElementById('live-status').textContent.startsWith('Live')",
+                               timeout=30_000)  # after a poll of /api/status the warning is still shown
+        assert page.locator("#problems li").all_inner_texts() == problems and page.locator("#problems").is_visible()
+        assert not errors, errors
+        context.close()
+    finally:
+        stop()
+        store.close()
+
+
 def test_api_docs_render_with_every_request_outside_the_coordinator_blocked(starting_coordinator, browser):
     """/docs on a network without the Internet: Swagger UI must come from the coordinator itself."""
     from urllib.parse import urlsplit

@@ -23,7 +23,12 @@ def register(subparsers) -> None:
     p.add_argument("--identity", default=None, help="private key file of the first peer (default RUN_DIR/identity.key)")
     p.add_argument("--run-dir", default=None, help="folder for run state, metrics and logs (default runs/RUN_ID)")
     p.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default RUN_DIR/checkpoints)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="how many recent checkpoints to keep")
+    p.add_argument("--keep-checkpoints", type=int, default=3,
+                   help="how many recent checkpoints to keep (the one with the lowest validation loss is kept too)")
+    p.add_argument("--valid-rows", type=int, default=512, metavar="N",
+                   help="rows of each held-out split (valid, heldout, ...) the validation loss is measured on at "
+                        "every checkpoint, by the auxiliary peer on one CPU thread: fewer if checkpoints take too "
+                        "long, more if the figure is noisy (0: none; default: 512)")
     p.add_argument("--swarm-preset", default="default", help="swarm settings: default (the paper's), demo (sync mode, short epochs, "
                         "for tests on one machine) or laptop (DiLoCo, what `crowdtrain demo` runs)")
     p.add_argument("--swarm", action="append", metavar="KEY=VALUE",
@@ -80,6 +85,7 @@ def _coordinator(args) -> int:
         run_id=args.run_id, preset=args.preset, data=args.data, host=args.host, port=args.port,
         public_host=args.public_host, dht_host=args.dht_host, dht_port=args.dht_port, run_dir=args.run_dir,
         identity=args.identity, checkpoint_dir=args.checkpoint_dir, keep_checkpoints=args.keep_checkpoints,
+        valid_rows=args.valid_rows,
         swarm_preset=args.swarm_preset, swarm_overrides=parse_overrides(args.swarm, flag="--swarm"),
         model_overrides=parse_overrides(args.model, flag="--model"), db=args.db, auth=args.auth,
         token_lifetime_s=args.token_lifetime_s, token_requests_per_minute=args.token_requests_per_minute,

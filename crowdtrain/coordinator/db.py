@@ -31,6 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
+from crowdtrain.runspec.validation import clean_losses
 
 ACTIVE_WINDOW_S = 60.0  # a peer that reported within this window counts as active
 # Rows are read as untrusted too (a database may hold values from before records were checked):
@@ -97,6 +98,8 @@ class SwarmPoint(Base):
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)  # mean over active peers
     active_peers: Mapped[int] = mapped_column(Integer)
     samples_per_second: Mapped[float] = mapped_column(Float)
+    # At a checkpoint only: JSON {split: mean loss} on the run's held-out splits (None elsewhere).
+    valid_loss: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Contribution(Base):
@@ -122,6 +125,11 @@ class Checkpoint(Base):
     time: Mapped[float] = mapped_column(Float)
     files: Mapped[str] = mapped_column(Text, default="[]")  # JSON list of file names
     pruned: Mapped[bool] = mapped_column(Boolean, default=False)  # removed from disk (only the last K are kept)
+    # JSON {split: mean loss} and {split: rows} on the run's held-out splits (crowdtrain.runspec.validation);
+    # None: not measured (no split but train, or a checkpoint from before).
+    valid_loss: Mapped[str | None] = mapped_column(Text, nullable=True)
+    valid_rows: Mapped[str | None] = mapped_column(Text, nullable=True)
+    best: Mapped[bool] = mapped_column(Boolean, default=False)  # the lowest valid loss: kept besides the last K
 
 
 class Sample(Base):
@@ -175,6 +183,28 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def _json_or_none(value: dict | None) -> str | None:
+    return json.dumps(value) if value else None
+
+
+def _losses(text: str | None) -> dict[str, float] | None:
+    """A stored {split: loss}, read as untrusted: non-finite or non-numeric entries are dropped."""
+    try:
+        return clean_losses(json.loads(text)) if text else None
+    except ValueError:
+        return None
+
+
+def _rows(text: str | None) -> dict[str, int] | None:
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
+
+
 def _plausible_time(ts: float | None, now: float) -> float | None:
     """A peer-reported time, or None if it is missing (0), non-finite or in the future."""
     return ts if ts is not None and math.isfinite(ts) and 0 < ts <= now + MAX_CLOCK_SKEW_S else None
@@ -214,6 +244,8 @@ class Store:
         present = {c["name"] for c in inspect(self.engine).get_columns("samples")}
         peers = {c["name"] for c in inspect(self.engine).get_columns("peers")}
         contributions = {c["name"] for c in inspect(self.engine).get_columns("contributions")}
+        checkpoints = {c["name"] for c in inspect(self.engine).get_columns("checkpoints")}
+        points = {c["name"] for c in inspect(self.engine).get_columns("swarm_points")}
         with self.engine.begin() as conn:
             if "ledger_session" not in peers:
                 conn.execute(sql("ALTER TABLE peers ADD COLUMN ledger_session VARCHAR(32)"))
@@ -228,6 +260,12 @@ class Store:
                 conn.execute(sql("UPDATE samples SET tag = CASE WHEN held_out THEN 'held-out' ELSE 'seen' END"))
             if "reference" not in present:
                 conn.execute(sql("ALTER TABLE samples ADD COLUMN reference BOOLEAN NOT NULL DEFAULT FALSE"))
+            if "valid_loss" not in checkpoints:
+                conn.execute(sql("ALTER TABLE checkpoints ADD COLUMN valid_loss TEXT"))
+                conn.execute(sql("ALTER TABLE checkpoints ADD COLUMN valid_rows TEXT"))
+                conn.execute(sql("ALTER TABLE checkpoints ADD COLUMN best BOOLEAN NOT NULL DEFAULT FALSE"))
+            if "valid_loss" not in points:
+                conn.execute(sql("ALTER TABLE swarm_points ADD COLUMN valid_loss TEXT"))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -329,10 +367,13 @@ class Store:
         return added
 
     def record_swarm_point(self, *, epoch: int, loss: float | None, active_peers: int,
-                           samples_per_second: float, at: float | None = None) -> None:
+                           samples_per_second: float, at: float | None = None,
+                           valid_loss: dict[str, float] | None = None) -> None:
+        """``valid_loss``: at a checkpoint, {split: mean loss} on the held-out splits (``/api/history``
+        carries it on this point, next to the training loss ``loss``)."""
         with self.session.begin() as s:
             s.add(SwarmPoint(time=at or time.time(), epoch=epoch, loss=loss, active_peers=active_peers,
-                             samples_per_second=samples_per_second))
+                             samples_per_second=samples_per_second, valid_loss=_json_or_none(valid_loss)))
 
     @_conflict_retrying
     def record_credit(self, *, peer_id: str, session: str, samples: int, steps: int, epoch: int,
@@ -393,18 +434,32 @@ class Store:
     # ---- checkpoints and samples --------------------------------------------------------------
     @_conflict_retrying
     def record_checkpoint(self, *, name: str, epoch: int, loss: float | None, files: list[str],
-                          at: float | None = None) -> None:
+                          at: float | None = None, valid_loss: dict[str, float] | None = None,
+                          valid_rows: dict[str, int] | None = None) -> None:
+        """``loss``: the training loss when it was taken; ``valid_loss``/``valid_rows``: {split: mean
+        loss} and {split: rows} on the run's held-out splits (None: not measured)."""
+        valid, rows = _json_or_none(valid_loss), _json_or_none(valid_rows)
         with self.session.begin() as s:
             row = s.get(Checkpoint, name)
             if row is None:
-                s.add(Checkpoint(name=name, epoch=epoch, loss=loss, time=at or time.time(), files=json.dumps(files)))
+                s.add(Checkpoint(name=name, epoch=epoch, loss=loss, time=at or time.time(), files=json.dumps(files),
+                                 valid_loss=valid, valid_rows=rows))
             else:
                 row.epoch, row.loss, row.files, row.pruned = epoch, loss, json.dumps(files), False
+                row.valid_loss, row.valid_rows = valid, rows
 
     def mark_pruned(self, kept: list[str]) -> None:
         with self.session.begin() as s:
             for row in s.scalars(select(Checkpoint).where(Checkpoint.name.not_in(kept))):
                 row.pruned = True
+
+    def mark_best(self, name: str | None) -> None:
+        """``name`` is the checkpoint with the lowest validation loss (None: none has one)."""
+        with self.session.begin() as s:
+            s.execute(update(Checkpoint).where(Checkpoint.best.is_(True), Checkpoint.name != (name or ""))
+                      .values(best=False))
+            if name is not None:
+                s.execute(update(Checkpoint).where(Checkpoint.name == name).values(best=True))
 
     def record_sample(self, *, checkpoint: str, epoch: int, prompt: str, path: str, tag: str | None = None,
                       reference: bool = False) -> None:
@@ -418,7 +473,8 @@ class Store:
             rows = s.scalars(select(SwarmPoint).where(SwarmPoint.time > since).order_by(SwarmPoint.time.desc())
                              .limit(limit)).all()
             return [{"time": r.time, "epoch": r.epoch, "loss": _finite(r.loss), "active_peers": r.active_peers,
-                     "samples_per_second": _finite(r.samples_per_second) or 0.0} for r in reversed(rows)]
+                     "samples_per_second": _finite(r.samples_per_second) or 0.0,
+                     "valid_loss": _losses(r.valid_loss)} for r in reversed(rows)]
 
     def swarm_point_before(self, time_: float) -> dict | None:
         """The last history point at or before ``time_`` (None if there is none)."""
@@ -492,8 +548,9 @@ class Store:
             query = select(Checkpoint).order_by(Checkpoint.epoch)
             if not include_pruned:
                 query = query.where(Checkpoint.pruned.is_(False))
-            return [{"name": c.name, "epoch": c.epoch, "loss": c.loss, "time": c.time, "files": json.loads(c.files),
-                     "pruned": c.pruned} for c in s.scalars(query)]
+            return [{"name": c.name, "epoch": c.epoch, "loss": _finite(c.loss), "time": c.time,
+                     "files": json.loads(c.files), "pruned": c.pruned, "valid_loss": _losses(c.valid_loss),
+                     "valid_rows": _rows(c.valid_rows), "best": bool(c.best)} for c in s.scalars(query)]
 
     def samples(self, *, limit: int = 200) -> list[dict]:
         with self.session() as s:

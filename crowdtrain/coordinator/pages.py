@@ -109,11 +109,14 @@ def fmt_bytes(n: int | None) -> str:
 def downsample(points: list[dict], max_points: int) -> list[dict]:
     """Average consecutive points in groups so at most ``max_points`` remain (the last one is kept
     as it is, so the chart ends at the current value). A day of 2-second samples is 43,200 points;
-    a browser draws a few thousand smoothly."""
+    a browser draws a few thousand smoothly. Points taken at a checkpoint (with a ``valid_loss``)
+    are kept as they are, between the averaged ones: there is one per checkpoint, and averaging
+    would lose the validation losses."""
     if len(points) <= max_points:
         return points
-    head, last = points[:-1], points[-1]
-    size = -(-len(head) // (max_points - 1))  # ceil: groups of this many points
+    marked = [p for p in points[:-1] if p.get("valid_loss")]
+    head, last = [p for p in points[:-1] if not p.get("valid_loss")], points[-1]
+    size = -(-len(head) // max(max_points - 1 - len(marked), 1))  # ceil: groups of this many points
     out = []
     for i in range(0, len(head), size):
         group = head[i:i + size]
@@ -121,8 +124,9 @@ def downsample(points: list[dict], max_points: int) -> list[dict]:
         out.append({"time": sum(p["time"] for p in group) / len(group), "epoch": group[-1]["epoch"],
                     "loss": sum(losses) / len(losses) if losses else None,
                     "active_peers": round(sum(p["active_peers"] for p in group) / len(group), 2),
-                    "samples_per_second": sum(p["samples_per_second"] for p in group) / len(group)})
-    return out + [last]
+                    "samples_per_second": sum(p["samples_per_second"] for p in group) / len(group),
+                    "valid_loss": None})
+    return sorted(out + marked, key=lambda p: p["time"]) + [last]
 
 
 # The auxiliary peer records a point every ~2 s while it runs; a longer silence is downtime (the
@@ -141,7 +145,7 @@ def mark_gaps(points: list[dict], *, gap_s: float = GAP_S, before: dict | None =
     for p in points:
         if prev is not None and p["time"] - prev["time"] > gap_s:
             out.append({"time": (p["time"] + prev["time"]) / 2, "epoch": None, "loss": None, "active_peers": None,
-                        "samples_per_second": None, "gap": True})
+                        "samples_per_second": None, "valid_loss": None, "gap": True})
         out.append(p)
         prev = p
     return out
@@ -212,7 +216,11 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
     @router.get("/dashboard", response_class=HTMLResponse)
     def dashboard(request: Request):
         history = mark_gaps(downsample(store.swarm_history(limit=100_000), HISTORY_POINTS))
-        return render(request, "dashboard.html", "/dashboard", history=history, refresh_ms=REFRESH_MS)
+        evaluated = [c for c in store.checkpoints(include_pruned=True) if c["valid_loss"]]
+        return render(request, "dashboard.html", "/dashboard", history=history, refresh_ms=REFRESH_MS,
+                      evaluated=evaluated[-10:][::-1],
+                      valid_splits=sorted({k for c in evaluated for k in c["valid_loss"]},
+                                          key=lambda k: (k != "valid", k)))
 
     @router.get("/leaderboard", response_class=HTMLResponse)
     def leaderboard(request: Request):
@@ -234,7 +242,8 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
             rows.append({**ckpt, "downloads": files})
         prompts = load_run_prompts(run_dir) or []
         example = prompts[0]["prompt"] if prompts and isinstance(prompts[0], dict) else None
-        return render(request, "checkpoints.html", "/checkpoints", checkpoints=rows,
+        splits = sorted({k for c in rows for k in (c["valid_loss"] or {})}, key=lambda k: (k != "valid", k))
+        return render(request, "checkpoints.html", "/checkpoints", checkpoints=rows, valid_splits=splits,
                       example_prompt=shlex.quote(str(example or "YOUR PROMPT")))  # captions are strangers' text
 
     @router.get("/samples", response_class=HTMLResponse)

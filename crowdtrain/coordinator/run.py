@@ -51,7 +51,8 @@ class CoordinatorConfig:
     run_dir: str | None = None  # default: runs/RUN_ID
     identity: str | None = None  # default: RUN_DIR/identity.key (created on first start, then reused)
     checkpoint_dir: str | None = None  # default: RUN_DIR/checkpoints
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # the newest ones; the one with the lowest validation loss is kept too
+    valid_rows: int = 512  # rows per held-out split for the validation loss at each checkpoint (0: none)
     swarm_preset: str = "default"
     swarm_overrides: dict = field(default_factory=dict)
     model_overrides: dict = field(default_factory=dict)
@@ -83,6 +84,8 @@ class CoordinatorConfig:
             raise ValueError(f"--swarm-preset must be one of {sorted(SWARM_PRESETS)}, got {self.swarm_preset!r}")
         if self.keep_checkpoints < 1:
             raise ValueError("--keep-checkpoints must be >= 1")
+        if self.valid_rows < 0:
+            raise ValueError("--valid-rows must be >= 0 (0: no validation loss at checkpoints)")
         if self.port == self.dht_port:
             raise ValueError(f"--port and --dht-port are both {self.port}: the HTTP service and the DHT peer need "
                              "a port each")
@@ -176,6 +179,7 @@ def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
         "task": {"name": "dalle", "model": model.to_dict(), "data": data},
         "dht_host": config.dht_host, "dht_port": config.dht_port, "public_host": config.public_host, "identity": str(Path(config.identity).resolve()),
         "checkpoint_dir": str(Path(config.checkpoint_dir).resolve()), "keep_checkpoints": config.keep_checkpoints,
+        "valid_rows": config.valid_rows,
         "text_tokenizer": ({"url": f"{config.url}/assets/text_tokenizer.json", "sha256": _sha256(text_tokenizer),
                             "path": str(text_tokenizer)} if needs_tokenizer else None),
         "assets": assets,

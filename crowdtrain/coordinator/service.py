@@ -29,6 +29,7 @@ from crowdtrain.coordinator.db import Store
 from crowdtrain.runspec.files import read_run_info, read_status
 from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
 from crowdtrain.runspec.tokens import CoordinatorKey, check_token_request, peer_id_of_key
+from crowdtrain.runspec.validation import memorising_problem
 
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "optimizer.safetensors", "text_tokenizer.json",
                     "image_tokenizer.safetensors"}
@@ -140,7 +141,7 @@ def run_status(run_dir: Path, store: Store) -> dict:
     live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live]
     losses = [p["loss"] for p in live]
     task = info.task if info is not None else {}
-    problems = [p for p in (info_problem, status_problem) if p]
+    problems = [p for p in (info_problem, status_problem, _memorising(store)) if p]
     failing = rounds_failing(status.rounds) if live else None
     if failing:
         problems.append(failing)
@@ -174,6 +175,11 @@ def rounds_failing(rounds: dict) -> str | None:
             "--client-mode, and at least one peer must accept connections), that no machine runs more volunteers "
             "than it has cores (give each `crowdtrain join --threads 1`), and on slow or distant links raise "
             "--swarm matchmaking_time_s (and averaging_timeout_s) when starting the coordinator.")
+
+
+def _memorising(store: Store) -> str | None:
+    """The memorising warning (``crowdtrain.runspec.validation``), from every checkpoint's losses."""
+    return memorising_problem(store.checkpoints(include_pruned=True))
 
 
 def _memcalc_run(run_dir: Path) -> dict | None:
@@ -347,8 +353,13 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
         status["run_id"] = join_info()["run_id"]
         return status
 
-    @app.get("/api/history", summary="The swarm over time: loss, active peers, samples/s, epoch")
+    @app.get("/api/history", summary="The swarm over time: training loss, active peers, samples/s, epoch; "
+                                     "at checkpoints also valid_loss, {split: loss} on the held-out splits")
     def api_history(since: float = 0.0, limit: int = 5000) -> list[dict]:
+        """Points oldest first, every few seconds: ``loss`` is the mean of the active peers' training
+        losses. A point taken at a checkpoint carries ``valid_loss``, the model's mean loss on fixed
+        rows of each split of the run's data but train (e.g. ``{"valid": 2.26, "heldout": 3.23}``);
+        it is null on the others. ``gap`` points (all values null) mark downtime."""
         if not 1 <= limit <= 100_000:
             raise HTTPException(422, "limit must be between 1 and 100000")
         # The point the caller already has (the last one up to `since`) decides whether the first
@@ -370,8 +381,13 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     def api_peers(active: bool = False) -> list[dict]:
         return store.peers(active_only=active)
 
-    @app.get("/api/checkpoints", summary="Saved checkpoints, oldest first")
+    @app.get("/api/checkpoints", summary="Saved checkpoints, oldest first, with training and validation loss; "
+                                         "best: the lowest validation loss")
     def api_checkpoints() -> list[dict]:
+        """``loss``: the mean training loss of the active peers when it was taken; ``valid_loss`` /
+        ``valid_rows``: {split: mean loss} and {split: rows} on the held-out splits (null when not
+        measured); ``best``: the one with the lowest ``valid`` loss, kept besides the newest
+        ``--keep-checkpoints``."""
         return store.checkpoints()
 
     @app.get("/api/samples", summary="Images generated from checkpoints for fixed prompts, newest first")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 
@@ -120,14 +121,20 @@ def register(subparsers) -> None:
     tok.set_defaults(handler=lambda args: tok.print_help() or 2)
 
     # ---- crowdtrain generate / eval ---------------------------------------------------------
-    p = subparsers.add_parser("generate", help="sample images for a prompt, re-rank, write a PNG grid",
-                              description="Sample --num-samples images, decode them, re-rank with CLIP "
+    p = subparsers.add_parser("generate", help="sample images for prompts, re-rank, write a PNG grid",
+                              description="Sample --num-samples images per prompt, decode them, re-rank with CLIP "
                                           "(--clip DIR) or without (the model's own likelihood of each sample), "
-                                          "and write the best --keep as a PNG grid.")
-    p.add_argument("prompt", nargs="+", help="the caption to draw")
+                                          "and write the best --keep of each as one PNG grid: a row per prompt, "
+                                          "labelled with it when there are several.")
+    p.add_argument("prompt", nargs="*", help="the caption to draw (or give --prompts FILE)")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="more prompts, one a line (blank lines and # comments skipped; '[tag] prompt' shows the "
+                        "tag in the label), drawn after the positional one, each as a row of the grid")
+    p.add_argument("--labels", action=argparse.BooleanOptionalAction, default=None,
+                   help="write each row's prompt on its left (default: when there are several prompts)")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    p.add_argument("--num-samples", type=int, default=128)
-    p.add_argument("--keep", type=int, default=4)
+    p.add_argument("--num-samples", type=int, default=128, help="samples drawn per prompt (default: 128)")
+    p.add_argument("--keep", type=int, default=4, help="best samples kept per prompt (default: 4)")
     _sampling_flags(p)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -139,11 +146,19 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu")
     p.set_defaults(handler=_generate)
 
-    p = subparsers.add_parser("eval", help="prompt adherence on seen and held-out shapes compositions",
-                              description="Generate images for the fixed shapes evaluation prompts and report "
-                                          "the share whose analysed content matches the prompt, separately "
-                                          "for seen and held-out compositions.")
+    p = subparsers.add_parser("eval", help="held-out loss per split of a checkpoint, and prompt adherence where the "
+                                           "data has a judge",
+                              description="The checkpoint's mean loss on every split of the run's shards but "
+                                          "train (e.g. valid, heldout), and, only for data with an automatic "
+                                          "judge (the bundled shapes), the share of samples that follow the "
+                                          "judge's seen and held-out prompts.")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--data", default=None, metavar="SHARDS",
+                   help="the shards to evaluate on: a folder made by `crowdtrain data prepare` or its URL "
+                        "(default: the data the checkpoint's run recorded, e.g. its coordinator's /shards)")
+    p.add_argument("--max-rows", type=int, default=None, metavar="N",
+                   help="at most N rows per split, the first N of the fixed evaluation order (default: all; 512 "
+                        "gives the rows the coordinator's validation loss uses)")
     p.add_argument("--samples-per-prompt", type=int, default=8)
     _sampling_flags(p)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -254,27 +269,45 @@ def _tokenizer_convert(args) -> int:
 
 def _generate(args) -> int:
     from crowdtrain.data.config import GenerateConfig
-    from crowdtrain.data.generate import generate_grid
+    from crowdtrain.data.generate import generate_rows, read_prompts_file
 
+    entries = [{"prompt": " ".join(args.prompt), "tag": None}] if args.prompt else []
+    if args.prompts:
+        entries += read_prompts_file(args.prompts)
+    if not entries:
+        raise ValueError("give a prompt, e.g. crowdtrain generate --checkpoint CKPT \"a small red circle\", or a file "
+                         "of prompts, one a line, with --prompts FILE")
     top_k, top_p = _resolved_filters(args)
     cfg = GenerateConfig(num_samples=args.num_samples, keep=args.keep, top_k=top_k, top_p=top_p,
                          temperature=args.temperature, seed=args.seed, batch_size=args.batch_size,
                          rerank=args.rerank, clip_dir=args.clip)
-    result = generate_grid(args.checkpoint, " ".join(args.prompt), cfg, out=args.out, device=args.device,
-                           progress=True, say=lambda line: print(line, flush=True))
-    print(f"wrote {args.out}: best {len(result['scores'])} of {args.num_samples} by {result['reranker']} "
-          f"(scores {', '.join(f'{s:.3f}' for s in result['scores'])})")
+    labels = args.labels if args.labels is not None else len(entries) > 1
+    if labels:
+        labels = [f"[{e['tag']}] {e['prompt']}" if e.get("tag") else e["prompt"] for e in entries]
+    result = generate_rows(args.checkpoint, [e["prompt"] for e in entries], cfg, out=args.out, labels=labels,
+                           device=args.device, progress=True, say=lambda line: print(line, flush=True))
+    rows = result["rows"]
+    if len(rows) == 1:
+        print(f"wrote {args.out}: best {len(rows[0]['scores'])} of {args.num_samples} by {result['reranker']} "
+              f"(scores {', '.join(f'{s:.3f}' for s in rows[0]['scores'])})")
+        return 0
+    for row in rows:
+        print(f"  {row['prompt'][:70]}: scores {', '.join(f'{s:.3f}' for s in row['scores'])}")
+    print(f"wrote {args.out}: {len(rows)} rows, one per prompt, each the best {args.keep} of {args.num_samples} by "
+          f"{result['reranker']}")
     return 0
 
 
 def _eval(args) -> int:
-    from crowdtrain.data.evaluate import evaluate_checkpoint, format_eval
+    from crowdtrain.train.validate import evaluate_quality, format_quality
 
+    if args.max_rows is not None and args.max_rows < 1:
+        raise ValueError("--max-rows must be >= 1")
     top_k, top_p = _resolved_filters(args)
-    results = evaluate_checkpoint(args.checkpoint, samples_per_prompt=args.samples_per_prompt, top_k=top_k,
-                                  top_p=top_p, temperature=args.temperature, seed=args.seed,
-                                  device=args.device)
-    print(format_eval(results))
+    results = evaluate_quality(args.checkpoint, data=args.data, max_rows=args.max_rows,
+                               samples_per_prompt=args.samples_per_prompt, top_k=top_k, top_p=top_p,
+                               temperature=args.temperature, seed=args.seed, device=args.device)
+    print(format_quality(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

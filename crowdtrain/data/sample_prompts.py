@@ -31,16 +31,17 @@ RUN_FILE = "sample_prompts.json"  # the run folder's copy, for the pages and the
 _TAGGED = re.compile(r"\[([^\[\]]*)\]\s*(.*)")
 
 
-def read_prompt_file(path) -> list[dict]:
-    """``[{"prompt", "tag"}]`` from a prompts file, or a ValueError naming the line and the fix."""
+def read_prompt_file(path, *, flag: str = "--sample-prompts", max_prompts: int | None = MAX_PROMPTS) -> list[dict]:
+    """``[{"prompt", "tag"}]`` from a prompts file, or a ValueError naming ``flag``, the line and the
+    fix (``crowdtrain generate --prompts`` reads the same format, with no limit on the count)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--sample-prompts {path}: no such file; write one prompt a line, e.g. "
+        raise FileNotFoundError(f"{flag} {path}: no such file; write one prompt a line, e.g. "
                                 "'a red apple on a table' or '[held-out] a blue apple on a table'")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"--sample-prompts {path} is not UTF-8 text ({e}); save it as UTF-8") from e
+        raise ValueError(f"{flag} {path} is not UTF-8 text ({e}); save it as UTF-8") from e
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
@@ -50,23 +51,23 @@ def read_prompt_file(path) -> list[dict]:
         if line.startswith("["):
             match = _TAGGED.fullmatch(line)
             if match is None:
-                raise ValueError(f"--sample-prompts {path}, line {number}: {line[:60]!r} opens a tag with '[' "
+                raise ValueError(f"{flag} {path}, line {number}: {line[:60]!r} opens a tag with '[' "
                                  "but does not close it; write '[tag] prompt'")
             tag, line = match.group(1).strip() or None, match.group(2).strip()
             if tag is not None and len(tag) > MAX_TAG_CHARS:
-                raise ValueError(f"--sample-prompts {path}, line {number}: the tag {tag[:40]!r} is longer than "
+                raise ValueError(f"{flag} {path}, line {number}: the tag {tag[:40]!r} is longer than "
                                  f"{MAX_TAG_CHARS} characters; tags are short labels such as 'held-out'")
         if not line:
-            raise ValueError(f"--sample-prompts {path}, line {number}: a tag with no prompt after it")
+            raise ValueError(f"{flag} {path}, line {number}: a tag with no prompt after it")
         if len(line) > MAX_PROMPT_CHARS:
-            raise ValueError(f"--sample-prompts {path}, line {number}: the prompt has {len(line)} characters, more "
+            raise ValueError(f"{flag} {path}, line {number}: the prompt has {len(line)} characters, more "
                              f"than {MAX_PROMPT_CHARS}; the model reads only its first text_len tokens anyway")
         prompts.append({"prompt": line, "tag": tag})
     if not prompts:
-        raise ValueError(f"--sample-prompts {path} holds no prompt (only blank lines or # comments); "
+        raise ValueError(f"{flag} {path} holds no prompt (only blank lines or # comments); "
                          "write one prompt a line")
-    if len(prompts) > MAX_PROMPTS:
-        raise ValueError(f"--sample-prompts {path} holds {len(prompts)} prompts; at most {MAX_PROMPTS} are drawn "
+    if max_prompts is not None and len(prompts) > max_prompts:
+        raise ValueError(f"{flag} {path} holds {len(prompts)} prompts; at most {max_prompts} are drawn "
                          "at each checkpoint: keep the ones that show the most")
     return prompts
 

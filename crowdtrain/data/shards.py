@@ -209,11 +209,14 @@ class PrepareSummary:
 
 def prepare_shards(source, out_dir, tokenizer, *, split: str = "train", shard_size: int = 5000, batch_size: int = 64,
                    nsfw_default: str = "UNLIKELY", progress: bool = True, stop_after_shards: int | None = None,
-                   items: tuple[Iterator[Item], int | None] | None = None) -> PrepareSummary:
+                   items: tuple[Iterator[Item], int | None] | None = None,
+                   dataset: dict | None = None) -> PrepareSummary:
     """Encode images + captions from ``source`` into shards under ``out_dir`` (see the module docstring).
 
     ``stop_after_shards`` stops early as an interrupt would (tests use it); ``items`` replaces
     ``source`` with ready-made items (the demo data uses it to skip writing PNG files).
+    ``dataset``: what the data set is, ``{"name": NAME, ...}``, recorded in the manifest (kept by
+    later calls that give none): ``crowdtrain.data.judges`` picks the judge of its pictures by NAME.
     """
     from tqdm import tqdm
 
@@ -236,6 +239,10 @@ def prepare_shards(source, out_dir, tokenizer, *, split: str = "train", shard_si
             raise ValueError(f"{out} holds shards made with another image tokenizer "
                              f"({old.get('image_tokenizer')}); use a new --out folder")
         manifest["splits"] = old.get("splits", {})
+        if old.get("dataset") is not None:
+            manifest["dataset"] = old["dataset"]
+    if dataset is not None:
+        manifest["dataset"] = dataset
     done = {s["index"]: s for s in manifest["splits"].get(split, [])
             if s.get("shard_size") == shard_size and (out / s["file"]).exists()}
     summary = PrepareSummary(out)

@@ -370,6 +370,55 @@ def list_shards(source: str, split: str = "train", *, timeout_s: float = 30.0) -
     raise FileNotFoundError(f"data source {source!r} is neither a folder, an http(s) URL nor a hub id (owner/name)")
 
 
+def read_source_json(source, name: str = MANIFEST, *, timeout_s: float = 30.0) -> dict | None:
+    """The JSON file ``name`` (``shards.json``, ``demo.json``, ...) next to the shards of a local
+    folder or an http(s) base URL; None when the source has no such file, or is generated data or
+    a hub id (no files of ours). A source that does not answer, or a file that is not a JSON
+    object, is a ValueError naming both."""
+    source = str(source)
+    if (url := remote_manifest_url(source)) is not None:
+        url = url.removesuffix(MANIFEST) + name
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as r:
+                text = r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise ValueError(f"cannot read {url} (HTTP {e.code})") from e
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            raise ValueError(f"cannot read {url} ({e}): is the data source up?") from e
+    else:
+        path = Path(source) / name
+        if not Path(source).is_dir() or not path.is_file():
+            return None
+        url, text = str(path), path.read_bytes()
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{url} is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{url} is not a JSON object")
+    return data
+
+
+def source_splits(source, *, timeout_s: float = 30.0) -> list[str]:
+    """The splits of a shard source, by name: from its ``shards.json``, else (a local folder of
+    ``{split}-NNNNN.parquet`` files without one) from the file names; [] for generated data
+    (``pattern``, ``synthetic``) and hub ids, which record none."""
+    if str(source) in ("pattern", "synthetic"):
+        return []
+    manifest = read_source_json(source, MANIFEST, timeout_s=timeout_s)
+    if manifest is not None:
+        splits = manifest.get("splits")
+        return sorted(k for k, v in splits.items() if v) if isinstance(splits, dict) else []
+    path = Path(str(source))
+    if str(source).startswith(("http://", "https://")):
+        raise ValueError(f"{source} has no {MANIFEST}: serve a shard folder made by `crowdtrain data prepare`")
+    if not path.is_dir():
+        return []
+    return sorted({f.name.rsplit("-", 1)[0] for f in path.glob("*-*.parquet")})
+
+
 def _no_shards(source, split):
     raise ValueError(f"no parquet shards for split {split!r} in {source}; make them with `crowdtrain data prepare`")
 

@@ -1,7 +1,8 @@
 """What the coordinator and the volunteers share, with no dependency on either: the run's swarm
 settings (``swarm``), the access-token format (``tokens``), user names (``names``), ``KEY=VALUE``
-settings (``overrides``), the files the auxiliary peer writes for the web side (``files``) and the
-run's schedule over its life: time budget, extensions, the end (``schedule``).
+settings (``overrides``), the files the auxiliary peer writes for the web side (``files``), the
+run's schedule over its life: time budget, extensions, the end (``schedule``), and the rules both
+read about held-out losses: the best checkpoint, the memorising warning (``validation``).
 
 The package graph reads as the architecture: ``crowdtrain.swarm`` (a volunteer's training and
 averaging) and ``crowdtrain.coordinator`` (the web service, its database, the process manager)

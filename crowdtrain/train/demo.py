@@ -176,13 +176,16 @@ def _resumed_epoch(out: Path) -> int:
 
 
 def evaluate_run(checkpoint: str, data: str, *, samples_per_prompt: int = 16) -> dict:
-    """Held-out loss and prompt adherence of the run's last checkpoint (``crowdtrain eval``'s figures)."""
+    """Held-out loss and, for data with a judge (``crowdtrain.data.judges``), prompt adherence of
+    the run's last checkpoint (``crowdtrain eval``'s figures; adherence None for data without one)."""
     from crowdtrain.train.validate import evaluate_quality
 
-    print("evaluating the last checkpoint (held-out loss, prompt adherence)...", flush=True)
+    print("evaluating the last checkpoint (held-out loss, prompt adherence where the data has a judge)...", flush=True)
     result = evaluate_quality(checkpoint, data=data, samples_per_prompt=samples_per_prompt)
     return {"valid_loss": result["valid_loss"], "adherence_seen": result["adherence_seen"],
-            "adherence_heldout": result["adherence_heldout"], "eval_samples_per_prompt": samples_per_prompt}
+            "adherence_heldout": result["adherence_heldout"], "eval_samples_per_prompt": samples_per_prompt,
+            "held_out_losses": {split: v["loss"] for split, v in result["losses"].items()},
+            "judge": result["judge"]}
 
 
 def summarize(out: Path, names: list[str]) -> dict:
@@ -257,7 +260,9 @@ def print_summary(s: dict) -> None:
         print(f"samples from {name:<8}{n}")
     if s["full_rounds_share"] is not None:
         print(f"rounds with all live peers  {100 * s['full_rounds_share']:.0f}% of {s['rounds']}")
-    if s.get("valid_loss") is not None:
+    if s.get("held_out_losses"):
+        print("held-out loss        " + ", ".join(f"{k} {v:.4f}" for k, v in s["held_out_losses"].items()))
+    elif s.get("valid_loss") is not None:
         print(f"held-out loss        {s['valid_loss']:.4f}")
     if s.get("adherence_seen") is not None:
         print(f"prompt adherence     {s['adherence_seen']:.2f} seen, {s['adherence_heldout']:.2f} held-out "

@@ -36,6 +36,34 @@
     if (finished && status.finished) finished.hidden = false;
     const progress = status.total_epochs ? Math.min(status.epoch / status.total_epochs, 1) : 0;
     for (const bar of document.querySelectorAll('[data-stat="progress"]')) bar.style.width = `${(progress * 100).toFixed(1)}%`;
+    showProblems(status.problems || []);
+  }
+
+  function showProblems(problems) {
+    const list = document.getElementById("problems");
+    if (!list) return;
+    list.replaceChildren(...problems.map((text) => {
+      const item = document.createElement("li");
+      item.textContent = text;  // a problem may quote a stranger's value: text, never HTML
+      return item;
+    }));
+    list.hidden = problems.length === 0;
+  }
+
+  // Validation losses: one line per held-out split through the points taken at checkpoints
+  // (the points with a valid_loss), drawn over the training loss.
+  const SPLIT_COLORS = ["#c0392b", "#a4530b", "#6b3fa0", "#17803d"];
+  function validationTraces() {
+    const checkpoints = history.filter((p) => p.valid_loss);
+    const splits = [...new Set(checkpoints.flatMap((p) => Object.keys(p.valid_loss)))]
+      .sort((a, b) => (a !== "valid") - (b !== "valid") || a.localeCompare(b));
+    return splits.map((split, i) => {
+      const points = checkpoints.filter((p) => typeof p.valid_loss[split] === "number");
+      return {x: points.map((p) => new Date(p.time * 1000)), y: points.map((p) => p.valid_loss[split]),
+              name: `${split} (validation)`, type: "scatter", mode: "lines+markers",
+              line: {color: SPLIT_COLORS[i % SPLIT_COLORS.length], dash: "dot"},
+              hovertemplate: `${split} %{y:.4f}<extra>%{x|%H:%M:%S}</extra>`};
+    });
   }
 
   const config = {responsive: true, displaylogo: false, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
@@ -54,7 +82,12 @@
   function draw() {
     if (typeof Plotly === "undefined") return;
     document.getElementById("charts").hidden = false;  // before drawing: plotly sizes charts from their box
-    Plotly.react("chart-loss", trace((p) => p.loss, "#2456c7"), layout("loss"), config);
+    const validation = validationTraces();
+    const training = Object.assign(trace((p) => p.loss, "#2456c7")[0], {name: "training"});
+    Plotly.react("chart-loss", [training].concat(validation),
+                 layout("loss", validation.length ? {showlegend: true, legend: {orientation: "h", x: 0, y: 1.14},
+                                                     margin: {l: 55, r: 15, t: 30, b: 40}} : {}),
+                 config);
     Plotly.react("chart-peers", trace((p) => p.active_peers, "#17803d", "hv"), layout("peers", {yaxis: {title: {text: "peers"}, rangemode: "tozero"}}), config);
     Plotly.react("chart-throughput", trace((p) => p.samples_per_second, "#a4530b"), layout("samples/s", {yaxis: {title: {text: "samples/s"}, rangemode: "tozero"}}), config);
     Plotly.react("chart-epoch", trace((p) => p.epoch, "#6b3fa0", "hv"), layout("epoch", {yaxis: {title: {text: "epoch"}, rangemode: "tozero"}}), config);
