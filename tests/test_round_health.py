@@ -60,5 +60,12 @@ def test_the_status_page_names_failing_rounds_and_the_fix_only_while_peers_train
               "rounds": {"rounds": 8, "apart": 6, "window_s": 300, "users": ["alice"]}}
     (run / "status.json").write_text(json.dumps(status))
     assert any(p.startswith("averaging rounds are failing") for p in run_status(run, store)["problems"])
+    # ... and the dashboard shows it to the organizer.
+    from fastapi.testclient import TestClient
+
+    from crowdtrain.coordinator.service import create_app
+
+    page = TestClient(create_app(run, store=store)).get("/dashboard")
+    assert page.status_code == 200 and "averaging rounds are failing" in page.text
     (run / "status.json").write_text(json.dumps({**status, "peers": []}))  # nobody trains: nothing fails
     assert run_status(run, store)["problems"] == []
