@@ -350,3 +350,23 @@ def test_demo_cli_takes_the_data_set_and_its_options(monkeypatch, capsys):
     assert calls[-1]["data"] == "shapes" and calls[-1]["data_options"] == {}
     assert main(["demo", "--emoji-bases", "hands"]) == 2
     assert "go with --data emoji" in capsys.readouterr().err
+
+
+def test_an_interrupted_tokenizer_training_continues_where_it_stopped(tmp_path, monkeypatch):
+    from crowdtrain.data import vq_train
+
+    kwargs = dict(bases="hands", max_bases=6, renderings=2, vq_steps=6)
+    straight = emoji.ensure_emoji_shards(tmp_path / "a" / "emoji", cache=tmp_path / "cache-a", **kwargs)
+
+    real_train_vq = vq_train.train_vq
+    monkeypatch.setattr(vq_train, "train_vq", lambda *a, **k: real_train_vq(*a, **k, stop_after_steps=3))
+    with pytest.raises(vq_train.TrainingInterrupted, match="stopped at step 3 of 6"):
+        emoji.ensure_emoji_shards(tmp_path / "b" / "emoji", cache=tmp_path / "cache-b", **kwargs)
+    kept = list((tmp_path / "cache-b" / "demo-shards").iterdir())
+    assert [p.name.endswith(".vq-resume.safetensors") for p in kept] == [True]  # only the tokenizer's state
+    monkeypatch.undo()
+    resumed = emoji.ensure_emoji_shards(tmp_path / "b" / "emoji", cache=tmp_path / "cache-b", **kwargs)
+    # As if never stopped: the same tokenizer, so the same shards.
+    assert (resumed / emoji.IMAGE_TOKENIZER_FILE).read_bytes() == (straight / emoji.IMAGE_TOKENIZER_FILE).read_bytes()
+    assert (resumed / "train-00000.parquet").read_bytes() == (straight / "train-00000.parquet").read_bytes()
+    assert not any(p.name.endswith(".vq-resume.safetensors") for p in (tmp_path / "cache-b" / "demo-shards").iterdir())

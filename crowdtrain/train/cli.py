@@ -97,15 +97,20 @@ def _train(args) -> int:
 
 
 def _demo(args) -> int:
+    from crowdtrain.data.vq_train import TrainingInterrupted
     from crowdtrain.train.demo import run_local_demo, run_swarm_demo
 
     options = {k: v for k, v in (("bases", args.emoji_bases), ("renderings", args.emoji_renderings)) if v is not None}
     if options and args.data != "emoji":
         raise ValueError("--emoji-bases and --emoji-renderings go with --data emoji")
-    if args.local:
-        run_local_demo(minutes=args.minutes, out_dir=args.out, device=args.device, batch_size=32, data=args.data,
-                       data_options=options)
-    else:
-        run_swarm_demo(peers=args.peers, minutes=args.minutes, port=args.port, dht_port=args.dht_port,
-                       out_dir=args.out, data=args.data, data_options=options)
+    try:
+        if args.local:
+            run_local_demo(minutes=args.minutes, out_dir=args.out, device=args.device, batch_size=32,
+                           data=args.data, data_options=options)
+        else:
+            run_swarm_demo(peers=args.peers, minutes=args.minutes, port=args.port, dht_port=args.dht_port,
+                           out_dir=args.out, data=args.data, data_options=options)
+    except TrainingInterrupted as e:  # Ctrl-C while the emoji set's tokenizer trains: its state is kept
+        print(f"making the emoji data set: {e}")
+        return 130
     return 0

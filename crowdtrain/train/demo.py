@@ -60,13 +60,13 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
         raise ValueError(f"--minutes must be positive, got {minutes}")
     out = Path(out_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    data_name, data_args = data, []
     if data == "shapes":
         from crowdtrain.data import ensure_demo_shards
 
         print("making the bundled shapes data set (once; later runs reuse it)...", flush=True)
         data = str(ensure_demo_shards(out / "data" / "shapes", progress=True))
-    data_name, data_args = data, []
-    if data == "emoji":
+    elif data == "emoji":
         data, data_args = emoji_run_data(out, data_options or {})
     swarm_overrides = dict(swarm_overrides or {})
     if "total_epochs" not in swarm_overrides:
