@@ -437,10 +437,11 @@ def ensure_emoji_shards(directory, *, bases: str = DEFAULT_BASES, max_bases: int
     coordinator as ``--image-tokenizer`` / ``--text-tokenizer``), ``preview.png`` (real
     pictures over their reconstructions) and ``emoji.json`` (the recipe; written last).
 
-    Cost on 2 CPU cores, for the defaults (23,000 train pictures): drawing ~10 s, the tokenizer
-    (``vq_steps``) most of the time (~0.07 s a step on idle cores; figures in docs/data.md),
-    encoding the shards ~1 min. Fewer ``vq_steps`` give blurrier codes (PSNR on valid: 22.5 dB
-    after 500 steps); more sharpen fine details (fingers, tones) slowly.
+    Cost on 2 CPU cores, for the defaults (23,000 train pictures): drawing and encoding the
+    shards under a minute each; the tokenizer (``vq_steps``) most of the time, 0.04 s a step on
+    idle cores, 0.3 s on busy ones (figures in docs/data.md). Fewer ``vq_steps`` give blurrier
+    codes (PSNR on valid: 22.5 dB after 500 steps, 25.3 after 3000); more sharpen fine details
+    (finger lines) slowly.
 
     ``cache``: True = the shared cache (``$CROWDTRAIN_CACHE``, else ``~/.cache/crowdtrain``), a path =
     that cache folder, False = none (made in ``directory``). An interrupt (Ctrl-C) during the
