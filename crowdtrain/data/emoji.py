@@ -116,9 +116,9 @@ def _load_font(path: Path):
     from PIL import ImageFont, features
 
     if not features.check("raqm"):
-        raise RuntimeError("this Pillow has no raqm text layout (libraqm), so it cannot join an emoji and its "
-                           "skin-tone modifier into one picture: install Pillow's wheel from PyPI "
-                           "(`pip install --force-reinstall pillow`) or Debian's libraqm0")
+        raise ValueError("this Pillow has no raqm text layout (libraqm), so it cannot join an emoji and its "
+                         "skin-tone modifier into one picture: install Pillow's wheel from PyPI "
+                         "(`pip install --force-reinstall pillow`) or Debian's libraqm0")
     try:
         return ImageFont.truetype(str(path), FONT_SIZE, layout_engine=ImageFont.Layout.RAQM)
     except OSError as e:
