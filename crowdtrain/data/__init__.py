@@ -1,4 +1,4 @@
-"""Data: the shapes data set, image and text tokenizers, shards, streaming, generation.
+"""Data: the shapes and emoji data sets, image and text tokenizers, shards, streaming, generation.
 
 Imports are lazy (``crowdtrain.data.batch_stream`` loads torch and datasets on first use), so
 the CLI stays fast and the coordinator can import the HTTP server without torch.
@@ -10,6 +10,7 @@ import importlib
 
 _EXPORTS = {
     "ensure_demo_shards": "crowdtrain.data.demo",
+    "ensure_emoji_shards": "crowdtrain.data.emoji",
     "batch_stream": "crowdtrain.data.streaming",
     "open_stream": "crowdtrain.data.streaming",
     "stable_seed": "crowdtrain.data.streaming",

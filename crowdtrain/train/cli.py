@@ -34,6 +34,15 @@ def register(subparsers) -> None:
     d.add_argument("--port", type=int, default=8000, help="the coordinator's HTTP port")
     d.add_argument("--dht-port", type=int, default=31337, help="the coordinator's DHT port")
     d.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
+    d.add_argument("--data", choices=["shapes", "emoji"], default="shapes",
+                   help="shapes: the bundled synthetic pictures (default); emoji: real pictures of emoji in six skin "
+                        "tones (Debian's fonts-noto-color-emoji), through a learned tokenizer, judged on held-out "
+                        "base x tone compositions")
+    d.add_argument("--emoji-bases", default=None,
+                   help="with --data emoji: which emoji (hands, people, activities joined with '+', or all; "
+                        "default: hands)")
+    d.add_argument("--emoji-renderings", type=int, default=None,
+                   help="with --data emoji: pictures per seen composition in train (default: 100)")
     d.add_argument("--local", action="store_true", help="train in this one process instead of a swarm")
     d.add_argument("--device", default="cpu", help="with --local: cpu or cuda")
     d.set_defaults(handler=_demo)
@@ -88,11 +97,20 @@ def _train(args) -> int:
 
 
 def _demo(args) -> int:
+    from crowdtrain.data.vq_train import TrainingInterrupted
     from crowdtrain.train.demo import run_local_demo, run_swarm_demo
 
-    if args.local:
-        run_local_demo(minutes=args.minutes, out_dir=args.out, device=args.device, batch_size=32)
-    else:
-        run_swarm_demo(peers=args.peers, minutes=args.minutes, port=args.port, dht_port=args.dht_port,
-                       out_dir=args.out)
+    options = {k: v for k, v in (("bases", args.emoji_bases), ("renderings", args.emoji_renderings)) if v is not None}
+    if options and args.data != "emoji":
+        raise ValueError("--emoji-bases and --emoji-renderings go with --data emoji")
+    try:
+        if args.local:
+            run_local_demo(minutes=args.minutes, out_dir=args.out, device=args.device, batch_size=32,
+                           data=args.data, data_options=options)
+        else:
+            run_swarm_demo(peers=args.peers, minutes=args.minutes, port=args.port, dht_port=args.dht_port,
+                           out_dir=args.out, data=args.data, data_options=options)
+    except TrainingInterrupted as e:  # Ctrl-C while the emoji set's tokenizer trains: its state is kept
+        print(f"making the emoji data set: {e}")
+        return 130
     return 0

@@ -42,13 +42,17 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
                    out_dir: str = "runs/demo", preset: str = "demo", data: str = "shapes",
                    swarm_preset: str = "laptop", swarm_overrides: dict | None = None,
                    model_overrides: dict | None = None, evaluate: bool = True, max_epochs: int | None = None,
-                   coordinator_args: list[str] = ()) -> dict:
+                   coordinator_args: list[str] = (), data_options: dict | None = None) -> dict:
     """A coordinator and ``peers`` volunteers on this machine for ``minutes``; returns the summary.
 
     The learning-rate schedule is sized to the run: the swarm's throughput is estimated from a
     few timed steps of the model here (:func:`estimate_swarm_samples_per_s`), and
     ``total_epochs`` set so the rate decays to zero as the time runs out. A run that resumes
     from an earlier checkpoint gets a schedule that starts again at its epoch.
+
+    ``data``: "shapes" (the bundled synthetic set), "emoji" (real pictures: see
+    :func:`emoji_run_data`; ``data_options`` go to :func:`crowdtrain.data.emoji.ensure_emoji_shards`)
+    or a shard folder.
     """
     if peers < 1:
         raise ValueError(f"--peers must be >= 1, got {peers}")
@@ -56,11 +60,14 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
         raise ValueError(f"--minutes must be positive, got {minutes}")
     out = Path(out_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    data_name, data_args = data, []
     if data == "shapes":
         from crowdtrain.data import ensure_demo_shards
 
         print("making the bundled shapes data set (once; later runs reuse it)...", flush=True)
         data = str(ensure_demo_shards(out / "data" / "shapes", progress=True))
+    elif data == "emoji":
+        data, data_args = emoji_run_data(out, data_options or {})
     swarm_overrides = dict(swarm_overrides or {})
     if "total_epochs" not in swarm_overrides:
         swarm_overrides.update(sized_schedule(swarm_preset, swarm_overrides, minutes=minutes, peers=peers,
@@ -70,7 +77,7 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
     coordinator = launch.spawn(launch.cli(*launch.coordinator_args(
         run_id="demo", preset=preset, data=data, host="127.0.0.1", port=port, dht_port=dht_port, run_dir=out / "run",
         swarm_preset=swarm_preset, swarm=swarm_overrides, model=model_overrides,
-        extra=["--samples-every", "5", *coordinator_args])), out / "logs" / "coordinator.log")
+        extra=["--samples-every", "5", *data_args, *coordinator_args])), out / "logs" / "coordinator.log")
     volunteers: dict[str, subprocess.Popen] = {}
     try:
         launch.wait_for_coordinator(url, coordinator, 180, out / "logs" / "coordinator.log")
@@ -107,11 +114,13 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
 
     summary = summarize(out, list(volunteers))
     summary["url"] = url
+    summary["data"] = data_name
     summary["minutes"] = minutes
     summary["swarm"] = {"preset": swarm_preset, **swarm_overrides}
     summary["samples_grid"] = write_samples(out)
     if evaluate and summary["checkpoint"]:
-        summary.update(evaluate_run(summary["checkpoint"], data))
+        summary.update(evaluate_emoji_run(summary["checkpoint"], data) if data_name == "emoji"
+                       else evaluate_run(summary["checkpoint"], data))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
     return summary
@@ -186,6 +195,47 @@ def evaluate_run(checkpoint: str, data: str, *, samples_per_prompt: int = 16) ->
             "adherence_heldout": result["adherence_heldout"], "eval_samples_per_prompt": samples_per_prompt,
             "held_out_losses": {split: v["loss"] for split, v in result["losses"].items()},
             "judge": result["judge"]}
+
+
+EMOJI_SAMPLE_PROMPTS = 4  # per group in the run's gallery: each is drawn at every sampled checkpoint
+
+
+def emoji_run_data(out: Path, options: dict) -> tuple[str, list[str]]:
+    """Make (once, cached) the emoji shards and the run's sample prompts; returns the shard
+    folder and the coordinator flags that name the run's tokenizers and prompts."""
+    from crowdtrain.data.emoji import emoji_tokenizers, ensure_emoji_shards
+    from crowdtrain.data.emoji_judge import EmojiJudge, write_prompt_file
+
+    print("making the emoji data set (once; later runs reuse it): pictures, the learned image tokenizer "
+          "(minutes), the text tokenizer, shards...", flush=True)
+    shards = ensure_emoji_shards(out / "data" / "emoji", progress=True, **options)
+    tokenizers = emoji_tokenizers(shards)
+    prompts = write_prompt_file(EmojiJudge.from_shards(shards), out / "emoji_prompts.txt", EMOJI_SAMPLE_PROMPTS)
+    return str(shards), ["--image-tokenizer", str(tokenizers["image"]), "--text-tokenizer", str(tokenizers["text"]),
+                         "--sample-prompts", str(prompts)]
+
+
+def evaluate_emoji_run(checkpoint: str, data: str, *, samples_per_prompt: int = 16,
+                       prompts_per_group: int | None = None, max_rows: int | None = None) -> dict:
+    """Validation and held-out loss of the run's last checkpoint (at most ``max_rows`` rows of
+    each split), and the emoji judge's verdicts on its samples
+    (:func:`crowdtrain.data.emoji_judge.emoji_adherence`; ``prompts_per_group``: fewer prompts)."""
+    from crowdtrain.data.emoji_judge import PROMPTS_PER_GROUP, EmojiJudge, emoji_adherence
+    from crowdtrain.data.generate import Generator
+    from crowdtrain.train.validate import valid_loss, valid_rows
+
+    print("evaluating the last checkpoint (validation and held-out loss, the emoji judge)...", flush=True)
+    gen = Generator.from_checkpoint(checkpoint)
+    losses = {f"{split}_loss": valid_loss(gen.model, valid_rows(data, text_tokenizer=gen.text_tokenizer,
+                                                                 model_config=gen.model.config, split=split,
+                                                                 max_rows=max_rows))
+              for split in ("valid", "heldout")}
+    judge = EmojiJudge.from_shards(data, prompts_per_group=prompts_per_group or PROMPTS_PER_GROUP)
+    judged = emoji_adherence(checkpoint, data=data, samples_per_prompt=samples_per_prompt, generator=gen,
+                             judge=judge)
+    return {**losses, "adherence_seen": judged["adherence_seen"], "adherence_heldout": judged["adherence_heldout"],
+            "judge": {"name": judged["judge"], "groups": judged["groups"], "per_prompt": judged["per_prompt"]},
+            "eval_samples_per_prompt": samples_per_prompt}
 
 
 def summarize(out: Path, names: list[str]) -> dict:
@@ -264,6 +314,12 @@ def print_summary(s: dict) -> None:
         print("held-out loss        " + ", ".join(f"{k} {v:.4f}" for k, v in s["held_out_losses"].items()))
     elif s.get("valid_loss") is not None:
         print(f"held-out loss        {s['valid_loss']:.4f}")
+    if s.get("heldout_loss") is not None:
+        print(f"held-out split loss  {s['heldout_loss']:.4f}  (compositions never trained on)")
+    if s.get("judge"):
+        seen, held = s["judge"]["groups"]["seen"], s["judge"]["groups"]["heldout"]
+        print(f"emoji judge          seen: top-5 {seen['top5']:.2f}, in the asked tone {seen['all']:.2f}; held-out: "
+              f"base {held['base_right']:.2f}, tone {held['tone_right']:.2f}, both {held['both_right']:.2f}")
     if s.get("adherence_seen") is not None:
         print(f"prompt adherence     {s['adherence_seen']:.2f} seen, {s['adherence_heldout']:.2f} held-out "
               f"({s['eval_samples_per_prompt']} samples per prompt)")
@@ -271,18 +327,31 @@ def print_summary(s: dict) -> None:
     print(f"samples              {s['samples_grid']}  (prompts in samples.txt)")
 
 
-def run_local_demo(*, minutes: float, out_dir: str, device: str, batch_size: int) -> dict:
+def run_local_demo(*, minutes: float, out_dir: str, device: str, batch_size: int, data: str = "shapes",
+                   data_options: dict | None = None) -> dict:
     """The single-process variant (`crowdtrain demo --local`)."""
     from crowdtrain.data import default_asset_paths, ensure_demo_shards
     from crowdtrain.model.config import get_preset
     from crowdtrain.train.local import LocalTrainConfig, train_local
     from crowdtrain.train.task import DalleTask
 
-    shards = ensure_demo_shards(Path(out_dir) / "data" / "shapes")
-    task = DalleTask(get_preset("demo"), data=str(shards))
+    if data == "emoji":
+        from crowdtrain.data.emoji import emoji_tokenizers, ensure_emoji_shards
+        from crowdtrain.data.image_tokenizer import load_image_tokenizer
+
+        shards = ensure_emoji_shards(Path(out_dir) / "data" / "emoji", progress=True, **(data_options or {}))
+        paths = emoji_tokenizers(shards)
+        # The model draws the learned tokenizer's codes, not the shapes palette's.
+        config = get_preset("demo", image_vocab_size=load_image_tokenizer(paths["image"]).vocab_size,
+                            image_code_factors=None)
+        task = DalleTask(config, data=str(shards), text_tokenizer=paths["text"])
+        assets = {"text_tokenizer.json": paths["text"], "image_tokenizer.safetensors": paths["image"]}
+    else:
+        shards = ensure_demo_shards(Path(out_dir) / "data" / "shapes")
+        task, assets = DalleTask(get_preset("demo"), data=str(shards)), default_asset_paths()
     summary = train_local(task, LocalTrainConfig(batch_size=batch_size, max_minutes=minutes, max_steps=100_000,
                                                  device=device, out_dir=out_dir, lr=3e-3),
-                          assets=default_asset_paths())
+                          assets=assets)
     print(f"\nloss {summary['loss_start']:.4f} -> {summary['loss_end']:.4f} in {summary['steps']} steps; "
           f"checkpoint {summary['checkpoint']}")
     return summary
