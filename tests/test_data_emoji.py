@@ -341,19 +341,20 @@ def test_the_demo_gives_the_coordinator_the_runs_tokenizers_and_the_judges_promp
 
 
 def test_a_checkpoint_trained_on_emoji_is_scored_by_the_judge(tmp_path):
-    from crowdtrain.train.demo import evaluate_emoji_run, run_local_demo
+    """The demo's evaluation finds the emoji judge through the shards' record (as `crowdtrain eval`)."""
+    from crowdtrain.train.demo import evaluate_run, run_local_demo
 
     summary = run_local_demo(minutes=0.05, out_dir=str(tmp_path / "local"), device="cpu", batch_size=8,
                              data="emoji", data_options=TINY)
     shards = tmp_path / "local" / "data" / "emoji"
-    result = evaluate_emoji_run(summary["checkpoint"], str(shards), samples_per_prompt=2, prompts_per_group=2,
-                                max_rows=16)
-    assert result["valid_loss"] > 0 and result["heldout_loss"] > 0
-    groups = result["judge"]["groups"]
-    assert [groups[g]["samples"] for g in ("seen", "heldout")] == [4, 4]
-    assert 0 <= result["adherence_seen"] <= 1 and result["adherence_seen"] == groups["seen"]["all"]
-    assert {p["prompt"] for p in result["judge"]["per_prompt"]} == {
-        p for ps in EmojiJudge.from_shards(shards, prompts_per_group=2).prompts().values() for p in ps}
+    result = evaluate_run(summary["checkpoint"], str(shards), samples_per_prompt=1, max_rows=16)
+    assert result["held_out_losses"]["valid"] > 0 and result["held_out_losses"]["heldout"] > 0
+    assert result["judge"] == "emoji"
+    groups = result["adherence_groups"]
+    assert set(groups) == {"seen", "heldout"} and {"top5", "both_right", "tone_right"} <= set(groups["seen"])
+    assert 0 <= result["adherence_seen"] <= 1 and result["adherence_seen"] == groups["seen"]["adherence"]
+    assert {p["prompt"] for p in result["adherence_per_prompt"]} == {
+        p for ps in EmojiJudge.from_shards(shards).prompts().values() for p in ps}
 
 
 def test_demo_cli_takes_the_data_set_and_its_options(monkeypatch, capsys):
@@ -388,3 +389,17 @@ def test_an_interrupted_tokenizer_training_continues_where_it_stopped(tmp_path, 
     assert (resumed / emoji.IMAGE_TOKENIZER_FILE).read_bytes() == (straight / emoji.IMAGE_TOKENIZER_FILE).read_bytes()
     assert (resumed / "train-00000.parquet").read_bytes() == (straight / "train-00000.parquet").read_bytes()
     assert not any(p.name.endswith(".vq-resume.safetensors") for p in (tmp_path / "cache-b" / "demo-shards").iterdir())
+
+
+def test_the_emoji_shards_name_their_judge_for_crowdtrain_eval(tmp_path, font):
+    """``crowdtrain eval`` and the demo find the emoji judge from the shards' dataset record alone."""
+    from crowdtrain.data import judges
+    from crowdtrain.data.emoji_judge import EmojiJudge
+
+    emoji_set = make_emoji_set(font, bases="hands", max_bases=12, renderings=1, seed=3)
+    (tmp_path / "shards.json").write_text(json.dumps({"format": "crowdtrain-shards/1", "splits": {},
+                                                      "dataset": emoji_set.record("hands", 12)}))
+    judge = judges.judge_for_data(tmp_path)
+    assert isinstance(judge, EmojiJudge) and isinstance(judge, judges.Judge)
+    # The judge holds out what this set held out (seed 3), not the default set's compositions.
+    assert {judge.by_caption[p] for p in judge.prompts()["heldout"]} <= set(emoji_set.compositions[1])

@@ -124,13 +124,15 @@ def test_a_data_set_names_its_judge_in_its_manifest(stripes, tmp_path, monkeypat
         def judge(self, prompt, images):
             return [{"all": bool(im.mean() > 127), "bright": bool(im.mean() > 100), "score": 0.5} for im in images]
 
-    monkeypatch.setitem(judges.JUDGES, "bright-things", Bright)
+    records = []
+    monkeypatch.setitem(judges.JUDGES, "bright-things", lambda record: records.append(record) or Bright())
     named = tmp_path / "named"
     named.mkdir()
     manifest = json.loads((shards / "shards.json").read_text())
-    (named / "shards.json").write_text(json.dumps({**manifest, "dataset": {"name": "bright-things"}}))
+    record = {"name": "bright-things", "threshold": 127}  # what the set holds reaches its judge
+    (named / "shards.json").write_text(json.dumps({**manifest, "dataset": record}))
     judge = judges.judge_for_data(named)
-    assert isinstance(judge, Bright) and isinstance(judge, judges.Judge)
+    assert isinstance(judge, Bright) and isinstance(judge, judges.Judge) and records == [record]
     (named / "shards.json").write_text(json.dumps({**manifest, "dataset": {"name": "nobody-judges-this"}}))
     assert judges.judge_for_data(named) is None
 

@@ -177,40 +177,6 @@ def _spread(comps: list[Composition], n: int, *, offset: float) -> list[Composit
     return picked
 
 
-CHECKS = ("all", "top5", "base_right", "tone_right", "tone_of_base", "both_right")
-
-
-def emoji_adherence(checkpoint, *, data, samples_per_prompt: int = 16, seed: int = 0, device: str = "cpu",
-                    judge: EmojiJudge | None = None, generator=None) -> dict:
-    """Samples of ``checkpoint`` for the judge's prompts, judged: the share of each check per
-    group (``seen``, ``heldout``) and per prompt. ``data``: the emoji shard folder (its
-    ``shards.json`` names the compositions); ``generator``: the checkpoint already loaded."""
-    from crowdtrain.data.generate import Generator
-    from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
-
-    if samples_per_prompt <= 0:
-        raise ValueError("--samples-per-prompt must be positive")
-    judge = judge or EmojiJudge.from_shards(data)
-    gen = generator or Generator.from_checkpoint(checkpoint, device=device)
-    groups, per_prompt = {}, []
-    for g, (group, prompts) in enumerate(judge.prompts().items()):
-        totals = dict.fromkeys(CHECKS, 0)
-        for j, prompt in enumerate(prompts):
-            images = gen.sample(prompt, samples_per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P,
-                                temperature=1.0, seed=seed + 7919 * j + 104_729 * g)[1].numpy()
-            verdicts = judge.judge(prompt, images)
-            hits = {k: sum(v[k] for v in verdicts) for k in CHECKS}
-            for k in CHECKS:
-                totals[k] += hits[k]
-            per_prompt.append({"group": group, "prompt": prompt,
-                               **{k: hits[k] / samples_per_prompt for k in CHECKS}})
-        n = samples_per_prompt * len(prompts)
-        groups[group] = {"samples": n, **{k: totals[k] / max(1, n) for k in CHECKS}}
-    return {"judge": judge.name, "adherence_seen": groups["seen"]["all"],
-            "adherence_heldout": groups["heldout"]["all"], "groups": groups, "per_prompt": per_prompt,
-            "samples_per_prompt": samples_per_prompt, "checkpoint": str(Path(checkpoint))}
-
-
 def sample_prompts(judge: EmojiJudge, per_group: int | None = None) -> list[dict]:
     """The judge's prompts as a run's sample prompts (``crowdtrain.data.sample_prompts``):
     ``per_group`` seen ones tagged ``seen``, then as many held-out ones tagged ``held-out``."""

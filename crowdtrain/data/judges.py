@@ -59,31 +59,46 @@ class ShapesJudge:
 
         return [shapes.judge(prompt, shapes.analyse_image(im)) for im in np.asarray(images)]
 
+    @classmethod
+    def from_record(cls, record: dict) -> "ShapesJudge":
+        return cls()  # the shapes prompts and analyser are fixed: nothing in the record changes them
 
-# Data set name (``shards.json``'s ``dataset.name``) -> its judge: "module:Class" (imported on first
-# use) or a function that builds one.
-JUDGES: dict[str, str | Callable[[], Judge]] = {"shapes": "crowdtrain.data.judges:ShapesJudge"}
+
+# Data set name (``shards.json``'s ``dataset.name``) -> what builds its judge from that ``dataset``
+# record (a data set's judge may need to know what the set holds, e.g. which compositions were held
+# out): "module:attribute" (imported on first use) or the function itself.
+JUDGES: dict[str, str | Callable[[dict], Judge]] = {"shapes": "crowdtrain.data.judges:ShapesJudge.from_record",
+                                                    "emoji": "crowdtrain.data.emoji_judge:EmojiJudge.from_record"}
 SHAPES_MARKER = "demo.json"  # the shapes demo's recipe file (crowdtrain.data.demo.MARKER)
 
 
-def register_judge(name: str, factory: Callable[[], Judge]) -> None:
-    """Make ``factory()`` the judge of shards whose ``shards.json`` says ``"dataset": {"name": name}``."""
+def register_judge(name: str, factory: Callable[[dict], Judge]) -> None:
+    """Make ``factory(record)`` the judge of shards whose ``shards.json`` says ``"dataset": {"name":
+    name, ...}`` (``record`` is that whole ``dataset`` entry)."""
     if not name or not isinstance(name, str):
         raise ValueError("a judge is registered under its data set's name, a non-empty string")
     JUDGES[name] = factory
 
 
-def dataset_name(source, *, timeout_s: float = 30.0) -> str | None:
-    """The data set a shard source (local folder or http(s) base URL) says it is, or None."""
+def dataset_record(source, *, timeout_s: float = 30.0) -> dict | None:
+    """The ``dataset`` record a shard source (local folder or http(s) base URL) carries
+    (``{"name": ..., ...}``), ``{"name": "shapes"}`` for a shapes folder from before the record
+    existed, or None."""
     from crowdtrain.data.streaming import read_source_json
 
     manifest = read_source_json(source, timeout_s=timeout_s) or {}
     declared = manifest.get("dataset")
     if isinstance(declared, dict) and isinstance(declared.get("name"), str):
-        return declared["name"]
+        return declared
     if read_source_json(source, SHAPES_MARKER, timeout_s=timeout_s) is not None:
-        return "shapes"
+        return {"name": "shapes"}
     return None
+
+
+def dataset_name(source, *, timeout_s: float = 30.0) -> str | None:
+    """The data set a shard source says it is, or None."""
+    record = dataset_record(source, timeout_s=timeout_s)
+    return record["name"] if record is not None else None
 
 
 def judge_for_data(source, *, timeout_s: float = 30.0) -> Judge | None:
@@ -91,9 +106,10 @@ def judge_for_data(source, *, timeout_s: float = 30.0) -> Judge | None:
     generated ``pattern`` data, a name no module registered)."""
     if str(source) in ("pattern", "synthetic"):
         return None
-    name = dataset_name(source, timeout_s=timeout_s)
-    if name is None:
+    record = dataset_record(source, timeout_s=timeout_s)
+    if record is None:
         return None
+    name = record["name"]
     if name not in JUDGES:
         logger.info("data set %r has no judge registered (known: %s)", name, sorted(JUDGES))
         return None
@@ -101,6 +117,8 @@ def judge_for_data(source, *, timeout_s: float = 30.0) -> Judge | None:
     if isinstance(factory, str):
         import importlib
 
-        module, _, attr = factory.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
-    return factory()
+        module, _, path = factory.partition(":")
+        factory = importlib.import_module(module)
+        for attr in path.split("."):
+            factory = getattr(factory, attr)
+    return factory(record)

@@ -119,8 +119,7 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
     summary["swarm"] = {"preset": swarm_preset, **swarm_overrides}
     summary["samples_grid"] = write_samples(out)
     if evaluate and summary["checkpoint"]:
-        summary.update(evaluate_emoji_run(summary["checkpoint"], data) if data_name == "emoji"
-                       else evaluate_run(summary["checkpoint"], data))
+        summary.update(evaluate_run(summary["checkpoint"], data))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
     return summary
@@ -184,17 +183,20 @@ def _resumed_epoch(out: Path) -> int:
     return int(read_meta(checkpoint).get("step", 0)) if checkpoint is not None else 0
 
 
-def evaluate_run(checkpoint: str, data: str, *, samples_per_prompt: int = 16) -> dict:
-    """Held-out loss and, for data with a judge (``crowdtrain.data.judges``), prompt adherence of
-    the run's last checkpoint (``crowdtrain eval``'s figures; adherence None for data without one)."""
+def evaluate_run(checkpoint: str, data: str, *, samples_per_prompt: int = 16, max_rows: int | None = None) -> dict:
+    """Held-out loss on each split but train and, for data with a judge (``crowdtrain.data.judges``:
+    the shapes analyser, the emoji retrieval judge), prompt adherence of the run's last checkpoint
+    (``crowdtrain eval``'s figures; adherence None for data without one)."""
     from crowdtrain.train.validate import evaluate_quality
 
     print("evaluating the last checkpoint (held-out loss, prompt adherence where the data has a judge)...", flush=True)
-    result = evaluate_quality(checkpoint, data=data, samples_per_prompt=samples_per_prompt)
+    result = evaluate_quality(checkpoint, data=data, samples_per_prompt=samples_per_prompt, max_rows=max_rows)
+    adherence = result.get("adherence") or {}
     return {"valid_loss": result["valid_loss"], "adherence_seen": result["adherence_seen"],
             "adherence_heldout": result["adherence_heldout"], "eval_samples_per_prompt": samples_per_prompt,
             "held_out_losses": {split: v["loss"] for split, v in result["losses"].items()},
-            "judge": result["judge"]}
+            "judge": result["judge"], "adherence_groups": adherence.get("groups"),
+            "adherence_per_prompt": adherence.get("prompts")}
 
 
 EMOJI_SAMPLE_PROMPTS = 4  # per group in the run's gallery: each is drawn at every sampled checkpoint
@@ -213,29 +215,6 @@ def emoji_run_data(out: Path, options: dict) -> tuple[str, list[str]]:
     prompts = write_prompt_file(EmojiJudge.from_shards(shards), out / "emoji_prompts.txt", EMOJI_SAMPLE_PROMPTS)
     return str(shards), ["--image-tokenizer", str(tokenizers["image"]), "--text-tokenizer", str(tokenizers["text"]),
                          "--sample-prompts", str(prompts)]
-
-
-def evaluate_emoji_run(checkpoint: str, data: str, *, samples_per_prompt: int = 16,
-                       prompts_per_group: int | None = None, max_rows: int | None = None) -> dict:
-    """Validation and held-out loss of the run's last checkpoint (at most ``max_rows`` rows of
-    each split), and the emoji judge's verdicts on its samples
-    (:func:`crowdtrain.data.emoji_judge.emoji_adherence`; ``prompts_per_group``: fewer prompts)."""
-    from crowdtrain.data.emoji_judge import PROMPTS_PER_GROUP, EmojiJudge, emoji_adherence
-    from crowdtrain.data.generate import Generator
-    from crowdtrain.train.validate import valid_loss, valid_rows
-
-    print("evaluating the last checkpoint (validation and held-out loss, the emoji judge)...", flush=True)
-    gen = Generator.from_checkpoint(checkpoint)
-    losses = {f"{split}_loss": valid_loss(gen.model, valid_rows(data, text_tokenizer=gen.text_tokenizer,
-                                                                 model_config=gen.model.config, split=split,
-                                                                 max_rows=max_rows))
-              for split in ("valid", "heldout")}
-    judge = EmojiJudge.from_shards(data, prompts_per_group=prompts_per_group or PROMPTS_PER_GROUP)
-    judged = emoji_adherence(checkpoint, data=data, samples_per_prompt=samples_per_prompt, generator=gen,
-                             judge=judge)
-    return {**losses, "adherence_seen": judged["adherence_seen"], "adherence_heldout": judged["adherence_heldout"],
-            "judge": {"name": judged["judge"], "groups": judged["groups"], "per_prompt": judged["per_prompt"]},
-            "eval_samples_per_prompt": samples_per_prompt}
 
 
 def summarize(out: Path, names: list[str]) -> dict:
@@ -314,15 +293,13 @@ def print_summary(s: dict) -> None:
         print("held-out loss        " + ", ".join(f"{k} {v:.4f}" for k, v in s["held_out_losses"].items()))
     elif s.get("valid_loss") is not None:
         print(f"held-out loss        {s['valid_loss']:.4f}")
-    if s.get("heldout_loss") is not None:
-        print(f"held-out split loss  {s['heldout_loss']:.4f}  (compositions never trained on)")
-    if s.get("judge"):
-        seen, held = s["judge"]["groups"]["seen"], s["judge"]["groups"]["heldout"]
-        print(f"emoji judge          seen: top-5 {seen['top5']:.2f}, in the asked tone {seen['all']:.2f}; held-out: "
-              f"base {held['base_right']:.2f}, tone {held['tone_right']:.2f}, both {held['both_right']:.2f}")
     if s.get("adherence_seen") is not None:
         print(f"prompt adherence     {s['adherence_seen']:.2f} seen, {s['adherence_heldout']:.2f} held-out "
-              f"({s['eval_samples_per_prompt']} samples per prompt)")
+              f"({s['eval_samples_per_prompt']} samples per prompt, the {s.get('judge')} judge)")
+    for group, checks in (s.get("adherence_groups") or {}).items():
+        detail = ", ".join(f"{k} {v:.2f}" for k, v in checks.items() if k not in ("samples", "adherence"))
+        if detail:
+            print(f"  {group:<18} {detail}")
     print(f"checkpoint           {s['checkpoint']}")
     print(f"samples              {s['samples_grid']}  (prompts in samples.txt)")
 
