@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from crowdtrain.data.shards import MANIFEST, Item, prepare_shards, read_manifest
 
@@ -88,36 +89,52 @@ def ensure_demo_shards(directory, *, num_train: int = DEFAULT_NUM_TRAIN, seed: i
         cache_root = default_cache_dir() if num_train >= SHARED_CACHE_MIN_IMAGES else None
     else:
         cache_root = Path(cache) if cache else None
+    return build_cached(out, cache_root=cache_root, entry=f"shapes-{num_train}", recipe=recipe, marker=MARKER,
+                        make=lambda folder, _entry: _make(folder, recipe, tokenizer, progress=progress),
+                        is_finished=lambda folder: _is_finished(folder, recipe), clear=_clear,
+                        what=f"{num_train} demo images")
+
+
+def build_cached(out: Path, *, cache_root: Path | None, entry: str, recipe: dict, marker: str,
+                 make: Callable[[Path, Path | None], None], is_finished: Callable[[Path], bool],
+                 clear: Callable[[Path], None], what: str) -> Path:
+    """Make a data set once and keep it in the cache: a bundled data set (shapes, emoji) is made
+    from its ``recipe`` the first time and reused by every later run and test.
+
+    ``make(folder, entry_path)`` writes the set into ``folder``, ``marker`` (the recipe) last;
+    ``entry_path`` is where the cache entry will live (None without a cache), for state that
+    must outlive an interrupt (a tokenizer's training). The entry is made in a private folder
+    and renamed into place, so two processes that start at once (the demo's coordinator and
+    peers) never read a half-made one; ``out`` then gets links to its files, the marker last,
+    so a copy cut short is not finished either."""
     if cache_root is None:
-        _clear(out)
-        _make(out, recipe, tokenizer, progress=progress)
+        clear(out)
+        make(out, None)
         return out
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    cached = cache_root / "demo-shards" / f"shapes-{num_train}-{key}"
-    if not _is_finished(cached, recipe):
-        # Made in a private folder and renamed into place: two processes that start at once (the
-        # demo's coordinator and peers) never read a half-written cache entry.
+    cached = cache_root / "demo-shards" / f"{entry}-{key}"
+    if not is_finished(cached):
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=cached.name + ".tmp-", dir=cached.parent))
-        logger.info("making %d demo images once; later runs reuse %s", num_train, cached)
+        logger.info("making %s once; later runs reuse %s", what, cached)
         try:
-            _make(tmp, recipe, tokenizer, progress=progress)
+            make(tmp, cached)
             try:
                 os.replace(tmp, cached)
             except OSError:  # another process finished first (or left a broken entry)
-                if not _is_finished(cached, recipe):
+                if not is_finished(cached):
                     shutil.rmtree(cached, ignore_errors=True)
                     os.replace(tmp, cached)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     else:
-        logger.info("demo shards: reusing %s", cached)
-    _clear(out)
+        logger.info("%s: reusing %s", what, cached)
+    clear(out)
     out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(cached.iterdir()):  # the marker last: a copy cut short is not finished
-        if f.name != MARKER:
+    for f in sorted(cached.iterdir()):
+        if f.is_file() and f.name != marker:
             _link_or_copy(f, out / f.name)
-    _link_or_copy(cached / MARKER, out / MARKER)
+    _link_or_copy(cached / marker, out / marker)
     return out
 
 

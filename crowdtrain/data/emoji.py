@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 import unicodedata
 from dataclasses import dataclass
@@ -452,7 +451,7 @@ def ensure_emoji_shards(directory, *, bases: str = DEFAULT_BASES, max_bases: int
     that cache folder, False = none (made in ``directory``). An interrupt (Ctrl-C) during the
     tokenizer's training keeps its state next to the cache entry: the same call continues it.
     """
-    from crowdtrain.data.demo import _link_or_copy, default_cache_dir
+    from crowdtrain.data.demo import build_cached, default_cache_dir
 
     if vq_steps <= 0:
         raise ValueError("--vq-steps must be positive")
@@ -465,39 +464,13 @@ def ensure_emoji_shards(directory, *, bases: str = DEFAULT_BASES, max_bases: int
     if progress is None:
         progress = len(emoji_set.plan("train")) >= 2_000
     cache_root = default_cache_dir() if cache is True else Path(cache) if cache else None
-    if cache_root is None:
-        _clear(out)
-        _make(out, recipe, emoji_set, font, progress=progress,
-              resume=out.with_name(out.name + ".vq-resume.safetensors"))
-        return out
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    cached = cache_root / "demo-shards" / f"emoji-{bases.replace('+', '-')}-{len(emoji_set.bases)}x{renderings}-{key}"
-    if not _is_finished(cached, recipe):
-        # Made in a private folder and renamed into place, as the shapes set: a second process
-        # never reads a half-made entry.
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=cached.name + ".tmp-", dir=cached.parent))
-        logger.info("making the emoji data set once; later runs reuse %s", cached)
-        try:
-            _make(tmp, recipe, emoji_set, font, progress=progress,
-                  resume=cached.with_name(cached.name + ".vq-resume.safetensors"))
-            try:
-                os.replace(tmp, cached)
-            except OSError:  # another process finished first (or left a broken entry)
-                if not _is_finished(cached, recipe):
-                    shutil.rmtree(cached, ignore_errors=True)
-                    os.replace(tmp, cached)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        logger.info("emoji shards: reusing %s", cached)
-    _clear(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(cached.iterdir()):  # the marker last: a copy cut short is not finished
-        if f.is_file() and f.name != MARKER:
-            _link_or_copy(f, out / f.name)
-    _link_or_copy(cached / MARKER, out / MARKER)
-    return out
+    return build_cached(
+        out, cache_root=cache_root, entry=f"emoji-{bases.replace('+', '-')}-{len(emoji_set.bases)}x{renderings}",
+        recipe=recipe, marker=MARKER, is_finished=lambda folder: _is_finished(folder, recipe), clear=_clear,
+        make=lambda folder, entry: _make(folder, recipe, emoji_set, font, progress=progress,
+                                         resume=(entry or folder).with_name((entry or folder).name
+                                                                            + ".vq-resume.safetensors")),
+        what="the emoji data set")
 
 
 def emoji_tokenizers(directory) -> dict[str, Path]:

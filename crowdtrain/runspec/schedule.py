@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import re
 import time
 import typing
