@@ -375,3 +375,51 @@ def test_at_a_fresh_runs_first_sync_a_peer_reads_the_swarm_afresh_before_steppin
     assert control is not None and started == [1] and control.weight == 64
     control, started = fake(peers_after_refresh=1)  # really alone: its own step is the swarm's
     assert control is None and started == []
+
+
+def test_a_round_scheduled_long_before_its_sync_point_searches_afresh_when_too_little_time_is_left(monkeypatch):
+    """A scheduled round's search for a group ends a timeout after it was scheduled, on an estimate
+    of the sync point. When the sync point came late (a groupmate's first batch was slow), the search
+    ran out moments after it and the round failed with "could not find a group", while the
+    groupmate was about to join. At the sync point such a search is replaced by a fresh one; one
+    that found its group is kept, and so is one with time left."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.control import AveragingStage
+
+    from crowdtrain.runspec.swarm import laptop_swarm_config
+    from crowdtrain.swarm import diloco
+    from crowdtrain.swarm.diloco import DiLoCoOptimizer
+
+    monkeypatch.setattr(diloco, "get_dht_time", lambda: 1000.0)
+
+    class Control:
+        def __init__(self, stage, deadline):
+            self.stage, self.deadline, self.triggered, self.cancelled, self.weight = stage, deadline, False, False, None
+
+        def done(self):
+            return self.cancelled
+
+        def cancel(self):
+            self.cancelled = True
+
+        def allow_allreduce(self):
+            self.triggered = True
+
+    def start(scheduled):
+        fresh = Control(AveragingStage.LOOKING_FOR_GROUP, 1030.0)
+        opt = SimpleNamespace(scheduled=scheduled, config=laptop_swarm_config(), status_loglevel=10,
+                              tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=2)),
+                              _begin_matchmaking=lambda: fresh)
+        opt._search_runs_out = lambda c: DiLoCoOptimizer._search_runs_out(opt, c)
+        return DiLoCoOptimizer._start_round(opt, weight=64), fresh
+
+    late = Control(AveragingStage.LOOKING_FOR_GROUP, 1002.0)  # 2 s of search left
+    control, fresh = start(late)
+    assert control is fresh and late.cancelled and fresh.triggered and fresh.weight == 64
+    grouped = Control(AveragingStage.AWAITING_TRIGGER, 1002.0)  # its group is formed: keep it
+    control, fresh = start(grouped)
+    assert control is grouped and not grouped.cancelled and grouped.triggered
+    timely = Control(AveragingStage.LOOKING_FOR_GROUP, 1025.0)
+    control, _ = start(timely)
+    assert control is timely and not timely.cancelled

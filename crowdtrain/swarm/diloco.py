@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import NoCompression
 from hivemind.utils import get_dht_time
 
@@ -494,6 +495,16 @@ class DiLoCoOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = self.config.lr * factor
 
+    def _search_runs_out(self, control) -> bool:
+        """A round scheduled ahead whose search for a group has less than half an averaging
+        timeout left at the sync point. Its deadline counts from when it was scheduled, on an
+        estimate of the sync point: when the estimate was early (a groupmate's first batch came
+        late, on a busy machine) the search ended moments after the sync point, the round failed
+        for want of a group, and its groupmate, about to join, found nobody. A fresh search
+        gets the whole timeout from now. (One that found its group already is kept.)"""
+        return (not control.done() and not control.triggered and control.stage == AveragingStage.LOOKING_FOR_GROUP
+                and control.deadline - get_dht_time() < self.config.averaging_timeout_s / 2)
+
     def _maybe_schedule_round(self) -> None:
         """Start matchmaking shortly before the swarm reaches the sync point, so it overlaps compute."""
         if self.tracker.estimated_next_update_time - get_dht_time() > self.config.matchmaking_time_s:
@@ -648,6 +659,9 @@ class DiLoCoOptimizer:
         control = self.scheduled
         self.scheduled = None
         try:
+            if control is not None and self._search_runs_out(control):
+                control.cancel()
+                control = None
             if control is None or control.triggered or control.done():
                 if self.tracker.global_progress.num_peers < self.config.min_group_size and not self._peers_now():
                     return None
