@@ -403,3 +403,11 @@ def test_the_emoji_shards_name_their_judge_for_crowdtrain_eval(tmp_path, font):
     assert isinstance(judge, EmojiJudge) and isinstance(judge, judges.Judge)
     # The judge holds out what this set held out (seed 3), not the default set's compositions.
     assert {judge.by_caption[p] for p in judge.prompts()["heldout"]} <= set(emoji_set.compositions[1])
+
+
+def test_the_demo_grid_shows_each_prompts_real_picture_first(tmp_path, judge, font):
+    """For a held-out composition the grid's first picture is one the model never saw: the real emoji."""
+    prompt = judge.prompts()["heldout"][0]
+    real = judge.reference(prompt)
+    assert real.shape == (64, 64, 3) and real.dtype == np.uint8
+    assert judge.judge(prompt, real[None])[0]["both_right"]  # it is that composition

@@ -127,6 +127,11 @@ class EmojiJudge:
             raise ValueError(f"{prompt!r} is no caption of this emoji data set (e.g. "
                              f"{self.references[0].caption!r})") from None
 
+    def reference(self, prompt: str) -> np.ndarray:
+        """The real picture of ``prompt`` (its centred rendering, (64, 64, 3) uint8), which the
+        demo's grid shows first: for a held-out composition, a picture the model never saw."""
+        return render(self.font, self.composition(prompt))
+
     def distances(self, images) -> np.ndarray:
         """(N, 64, 64, 3) uint8 -> (N, references) distances; a blank image's row is inf."""
         out = np.full((len(images), len(self.references)), np.inf, dtype=np.float32)

@@ -117,7 +117,7 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
     summary["data"] = data_name
     summary["minutes"] = minutes
     summary["swarm"] = {"preset": swarm_preset, **swarm_overrides}
-    summary["samples_grid"] = write_samples(out)
+    summary["samples_grid"] = write_samples(out, data=data)
     if evaluate and summary["checkpoint"]:
         summary.update(evaluate_run(summary["checkpoint"], data))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -240,9 +240,11 @@ def summarize(out: Path, names: list[str]) -> dict:
     }
 
 
-def write_samples(out: Path, per_prompt: int = 4) -> str | None:
+def write_samples(out: Path, per_prompt: int = 4, *, data: str | None = None) -> str | None:
     """A grid of samples from the latest checkpoint: one row per sample prompt of the run (for the
-    shapes data: seen, then held out; for other data: captions, each after its real image)."""
+    shapes data: seen, then held out; for other data: captions, each after its real image). Where
+    the data's judge knows a prompt's real picture (``reference(prompt)``: the emoji set's), it
+    comes first in the row, framed."""
     from crowdtrain.checkpoint import latest_checkpoint
 
     checkpoint = latest_checkpoint(out / "run" / "checkpoints")
@@ -253,6 +255,7 @@ def write_samples(out: Path, per_prompt: int = 4) -> str | None:
     from PIL import Image
 
     from crowdtrain.data.generate import Generator, make_grid
+    from crowdtrain.data.judges import judge_for_data
     from crowdtrain.data.sample_prompts import reference_codes, shapes_prompts
     from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P
 
@@ -260,14 +263,23 @@ def write_samples(out: Path, per_prompt: int = 4) -> str | None:
     prompts = spec.get("sample_prompts") or shapes_prompts()
     gen = Generator.from_checkpoint(checkpoint)
     cfg = gen.model.config
-    rows, with_reference = [], any(p.get("reference") is not None for p in prompts)
+    judge = judge_for_data(data) if data is not None else None
+    real_picture = getattr(judge, "reference", None)
+    rows = []
+    with_reference = real_picture is not None or any(p.get("reference") is not None for p in prompts)
     for i, p in enumerate(prompts):
         images = gen.sample(p["prompt"], per_prompt, top_k=DEFAULT_TOP_K, top_p=DEFAULT_TOP_P, temperature=1.0,
                             seed=i)[1]
         if with_reference:  # every row gets a first column: the real image, or a blank tile
             codes = reference_codes(p.get("reference"), cfg)
-            real = (gen.image_tokenizer.decode(codes.to(gen.device)).cpu() if codes is not None
-                    else torch.full_like(images[:1], 255))
+            if codes is not None:
+                real = gen.image_tokenizer.decode(codes.to(gen.device)).cpu()
+            elif real_picture is not None:
+                real = torch.from_numpy(real_picture(p["prompt"]).copy())[None].to(images.dtype)
+            else:
+                real = torch.full_like(images[:1], 255)
+            for edge in (real[:, 0], real[:, -1], real[:, :, 0], real[:, :, -1]):
+                edge[:] = torch.tensor([70, 70, 70], dtype=real.dtype)  # a frame: the real one
             images = torch.cat([real, images])
         rows.append(images)
     grid = make_grid(torch.cat(rows), columns=per_prompt + with_reference)
@@ -275,7 +287,8 @@ def write_samples(out: Path, per_prompt: int = 4) -> str | None:
     path = out / "samples.png"
     grid.save(path)
     lines = [f"[{p['tag']}] {p['prompt']}" if p.get("tag") else p["prompt"] for p in prompts]
-    head = "rows, top to bottom" + (" (the first column: the real image with that caption)" if with_reference else "")
+    head = "rows, top to bottom" + (" (the first column, framed: the real picture with that caption)"
+                                    if with_reference else "")
     (out / "samples.txt").write_text(head + ":\n" + "\n".join(lines) + "\n")
     return str(path)
 
