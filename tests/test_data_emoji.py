@@ -13,7 +13,7 @@ from crowdtrain.data.emoji import TONES, Composition, EmojiFont, make_emoji_set,
 from crowdtrain.data.emoji_judge import EmojiJudge
 
 # The learned tokenizer `crowdtrain demo --data emoji` trains with the default recipe (hands,
-# 100 renderings, seed 0, 3000 steps): what the judge must read through.
+# 200 renderings, seed 0, 3000 steps): what the judge must read through.
 EMOJI_VQ = Path(__file__).parent / "data" / "emoji_vq.safetensors"
 
 

@@ -80,9 +80,12 @@ PEOPLE = (  # one person, face and upper body: the tone is a smaller area (the f
 EXCLUDED = (0x1F595,)  # the middle finger: not in a demo
 GROUP_NAMES = ("hands", "people", "activities")
 DEFAULT_BASES = "hands"
-# Pictures per seen composition in train. 100 x 230 seen compositions of "hands" = 23,000
-# pictures: a 30-minute 3-peer demo (~80 samples/s) sees each about 6 times.
-DEFAULT_RENDERINGS = 100
+# Pictures per seen composition in train: 200 x 230 seen compositions of "hands" = 46,000
+# pictures, chosen by benchmarks/bench_emoji_curve.py. A 30-minute 3-peer demo trains on about
+# 150k samples; one process there, on the demo model: with 100 renderings the model memorised
+# (validation loss 1.47x the training loss, held-out compositions right in both parts 0.53), with
+# 200 it generalised (1.16x, 0.78). If your own run memorises, more pictures help most.
+DEFAULT_RENDERINGS = 200
 MIN_VALID = 256  # the valid split gets enough fresh renderings of each seen composition for this
 HELDOUT_RENDERINGS = 4  # pictures per held-out composition
 # Jitter: the emoji's longer side is this share of the frame; it is placed anywhere it fits.
@@ -441,7 +444,7 @@ def ensure_emoji_shards(directory, *, bases: str = DEFAULT_BASES, max_bases: int
     coordinator as ``--image-tokenizer`` / ``--text-tokenizer``), ``preview.png`` (real
     pictures over their reconstructions) and ``emoji.json`` (the recipe; written last).
 
-    Cost on 2 CPU cores, for the defaults (23,000 train pictures): drawing and encoding the
+    Cost on 2 CPU cores, for the defaults (46,000 train pictures): drawing and encoding the
     shards under a minute each; the tokenizer (``vq_steps``) most of the time, 0.04 s a step on
     idle cores, 0.3 s on busy ones (figures in docs/data.md). Fewer ``vq_steps`` give blurrier
     codes (PSNR on valid: 22.5 dB after 500 steps, 25.3 after 3000); more sharpen fine details

@@ -42,7 +42,7 @@ def register(subparsers) -> None:
                    help="with --data emoji: which emoji (hands, people, activities joined with '+', or all; "
                         "default: hands)")
     d.add_argument("--emoji-renderings", type=int, default=None,
-                   help="with --data emoji: pictures per seen composition in train (default: 100)")
+                   help="with --data emoji: pictures per seen composition in train (default: 200)")
     d.add_argument("--local", action="store_true", help="train in this one process instead of a swarm")
     d.add_argument("--device", default="cpu", help="with --local: cpu or cuda")
     d.set_defaults(handler=_demo)
