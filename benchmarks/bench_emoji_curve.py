@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -104,27 +105,75 @@ def score(points: list[dict], shards: Path, *, judge_samples: int) -> list[dict]
 
 
 def plot(results: dict, path: Path) -> None:
+    """One panel per schedule length: arms that ran the same number of samples share axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (arm, r) in enumerate(results["arms"].items()):
-        pts = r["points"]
-        xs = [p["samples"] / 1000 for p in pts]
-        ax.plot(xs, [p["train_loss"] for p in pts], ":", color=f"C{i}", label=f"{arm} ({r['parameters'] / 1e6:.1f}M): train")
-        ax.plot(xs, [p["losses"].get("valid") for p in pts], "-o", color=f"C{i}", label=f"{arm}: valid")
-        if any("heldout" in p["losses"] for p in pts):
-            ax.plot(xs, [p["losses"].get("heldout") for p in pts], "--", color=f"C{i}", label=f"{arm}: held-out")
-    ax.set_xlabel("samples (thousands)")
-    ax.set_ylabel("loss")
-    ax.set_title("emoji data: loss against samples, one process, AdamW 3e-3, batch 32")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    panels: dict = {}
+    for arm, r in results["arms"].items():
+        panels.setdefault(round(r["points"][-1]["samples"] / 1000), []).append((arm, r))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
+    for ax, (k, arms) in zip(axes[0], sorted(panels.items())):
+        for i, (arm, r) in enumerate(arms):
+            pts = r["points"]
+            xs = [p["samples"] / 1000 for p in pts]
+            ax.plot(xs, [p["train_loss"] for p in pts], ":", color=f"C{i}",
+                    label=f"{arm} ({r['parameters'] / 1e6:.1f}M): train")
+            ax.plot(xs, [p["losses"].get("valid") for p in pts], "-o", color=f"C{i}", label=f"{arm}: valid")
+            if any("heldout" in p["losses"] for p in pts):
+                ax.plot(xs, [p["losses"].get("heldout") for p in pts], "--", color=f"C{i}",
+                        label=f"{arm}: held-out")
+        ax.set_xlabel("samples (thousands)")
+        ax.set_ylabel("loss")
+        ax.set_title(f"schedules of {k}k samples")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("emoji data: loss against samples, one process, AdamW 3e-3, batch 32")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+
+
+def _renderings(data: str) -> str:
+    recipe = Path(data) / "emoji.json"
+    if recipe.exists():
+        return f"{json.loads(recipe.read_text()).get('renderings', '?')}r"
+    match = re.search(r"x(\d+)-", data)  # the demo cache names its folder <bases>-<n>x<renderings>-<hash>
+    return f"{match.group(1)}r" if match else "?r"
+
+
+def merge(paths: list, *, out: Path, plot_path: Path) -> int:
+    """Several runs (arms at different schedule lengths or data sizes) as one table and plot."""
+    merged = {"merged_from": [], "arms": {}}
+    for path in paths:
+        r = json.loads(Path(path).read_text())
+        merged["merged_from"].append({"file": Path(path).name, "data": r["data"], "samples": r["samples"],
+                                      "batch_size": r["batch_size"], "lr": r["lr"], "threads": r["threads"],
+                                      "started": r["started"]})
+        for arm, a in r["arms"].items():
+            merged["arms"][f"{arm} {_renderings(r['data'])} {r['samples'] // 1000}k"] = a
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=1))
+    print_table(merged)
+    plot(merged, plot_path)
+    print(f"wrote {out} and {plot_path}")
+    return 0
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'arm':18} {'params':>8} {'samples':>8} {'s':>6} {'train':>7} {'valid':>7} {'heldout':>7} "
+          f"{'v/t':>5} {'seen':>5} {'held':>5}")
+    for arm, r in results["arms"].items():
+        for p_ in r["points"]:
+            v = p_["losses"].get("valid")
+            print(f"{arm:18} {r['parameters'] / 1e6:7.2f}M {p_['samples']:8d} {p_['seconds']:6.0f} "
+                  f"{p_['train_loss']:7.4f} {v if v is not None else float('nan'):7.4f} "
+                  f"{p_['losses'].get('heldout', float('nan')):7.4f} "
+                  f"{(v / p_['train_loss']) if v else float('nan'):5.2f} "
+                  f"{p_.get('adherence_seen') if p_.get('adherence_seen') is not None else '':>5} "
+                  f"{p_.get('adherence_heldout') if p_.get('adherence_heldout') is not None else '':>5}")
 
 
 def main(argv=None) -> int:
@@ -140,7 +189,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/bench_emoji_curve_<time>.json)")
     p.add_argument("--plot", default=str(PLOT))
+    p.add_argument("--merge", nargs="+", metavar="RESULTS.json", default=None,
+                   help="train nothing: join earlier results (arms named '<arm> <renderings>r <samples/1000>k') "
+                        "into --out and plot them together")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, out=Path(args.out) if args.out else RESULTS / "bench_emoji_curve_merged.json",
+                     plot_path=Path(args.plot))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     import torch
@@ -177,17 +232,7 @@ def main(argv=None) -> int:
                                 "parameters": parameters, "train_s": train_s, "points": points}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))  # after every arm: a long run keeps what it measured
-    print(f"\n{'arm':10} {'params':>8} {'samples':>8} {'s':>6} {'train':>7} {'valid':>7} {'heldout':>7} "
-          f"{'v/t':>5} {'seen':>5} {'held':>5}")
-    for arm, r in results["arms"].items():
-        for p_ in r["points"]:
-            v = p_["losses"].get("valid")
-            print(f"{arm:10} {r['parameters'] / 1e6:7.2f}M {p_['samples']:8d} {p_['seconds']:6.0f} "
-                  f"{p_['train_loss']:7.4f} {v if v is not None else float('nan'):7.4f} "
-                  f"{p_['losses'].get('heldout', float('nan')):7.4f} "
-                  f"{(v / p_['train_loss']) if v else float('nan'):5.2f} "
-                  f"{p_.get('adherence_seen') if p_.get('adherence_seen') is not None else '':>5} "
-                  f"{p_.get('adherence_heldout') if p_.get('adherence_heldout') is not None else '':>5}")
+    print_table(results)
     plot(results, Path(args.plot))
     print(f"wrote {out} and {args.plot}")
     return 0
