@@ -268,7 +268,10 @@ class AuxPeer:
     def collect(self) -> list[swarm_metrics.PeerMetrics]:
         stored = swarm_metrics.fetch(self.dht, self.swarm.run_id)
         records = self.screen(stored)
-        self.round_health.add(records, now=time.time())
+        if records:
+            counts = swarm_metrics.round_counts_of(
+                stored, swarm_metrics.fetch_round_counts(self.dht, self.swarm.run_id), records, self.swarm.run_id)
+            self.round_health.add(counts, users={r.peer_id: r.user for r in records}, now=time.time())
         fresh = [r for r in records if self.seen.get(r.peer_id) != r.time]
         if fresh:
             files.append_metrics(self.run_dir, [r.dict() for r in fresh])

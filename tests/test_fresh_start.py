@@ -4,6 +4,8 @@ full (the stall: both peers' first rounds failed with "could not find a group", 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from crowdtrain.launch import LocalSwarm
@@ -32,6 +34,12 @@ def test_fresh_two_and_three_peer_runs_form_their_first_rounds_in_full(tmp_path)
             for peers, swarm in swarms.items():
                 for i in range(peers):
                     assert swarm.wait_exit(f"p{i}", 300) == 0, swarm.log(f"p{i}")[-3000:]
+                # The coordinator heard of the rounds (the peers' signed round counts): what its
+                # "rounds are failing" problem is made of.
+                deadline = time.monotonic() + 30
+                while swarm.status()["rounds"].get("rounds", 0) < 1 and time.monotonic() < deadline:
+                    time.sleep(1)
+                assert swarm.status()["rounds"].get("rounds", 0) >= 1, swarm.status()
                 for i in range(peers):
                     summary = swarm.summary(f"p{i}")
                     assert summary.get("state_download_skipped"), "every peer built the run's initial model"

@@ -1,4 +1,4 @@
-"""Failed rounds reach the status page: peers count their rounds in their signed metrics, the
+"""Failed rounds reach the status page: peers count their rounds in signed records, the
 auxiliary peer sums what grew in the last minutes, and /api/status names the problem and its fix."""
 
 from __future__ import annotations
@@ -8,13 +8,18 @@ import time
 
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.service import rounds_failing, run_status
-from crowdtrain.swarm.metrics import Ledger, PeerMetrics, RoundHealth
+from crowdtrain.swarm.metrics import (Ledger, PeerMetrics, RoundCounts, RoundHealth, StoredRecord,
+                                     round_counts_of)
 
 
 def record(peer: str, t: float, rounds: int, apart: int, *, session: str = "s1", user: str = "alice") -> PeerMetrics:
     return PeerMetrics(peer_id=peer, epoch=rounds, samples=100, samples_per_second=5.0, loss=3.0, steps=10, time=t,
                        client_mode=False, last_round_peers=2, swarm_peers=2, fingerprint="f", user=user,
-                       session=session, rounds=rounds, rounds_apart=apart)
+                       session=session)
+
+
+def counts(t: float, rounds: int, apart: int, *, session: str = "s1") -> RoundCounts:
+    return RoundCounts(session=session, time=t, rounds=rounds, rounds_apart=apart)
 
 
 def test_a_peer_counts_the_rounds_it_averaged_with_nobody_while_others_trained():
@@ -22,25 +27,51 @@ def test_a_peer_counts_the_rounds_it_averaged_with_nobody_while_others_trained()
     ledger.credit(epoch=0, samples=64, group_size=1, swarm_peers=1)  # alone in the swarm: not a failure
     ledger.credit(epoch=1, samples=64, group_size=2, swarm_peers=2)
     ledger.credit(epoch=2, samples=64, group_size=1, swarm_peers=2)  # "could not find a group"
-    fields = ledger.record_fields()
-    assert (fields["rounds"], fields["rounds_apart"]) == (3, 1)
-    PeerMetrics(**{**record("p", 1.0, 0, 0).dict(), **fields})  # they fit the signed record's schema
+    c = ledger.round_counts(5.0)
+    assert (c.rounds, c.rounds_apart, c.session, c.time) == (3, 1, ledger.session, 5.0)
+
+
+def test_the_metrics_record_keeps_the_fields_every_version_of_crowdtrain_accepts():
+    """hivemind's schema check refuses a record with a field more or less than the reader's
+    PeerMetrics, defaults or not: a peer of another version would refuse all of this one's metrics
+    (and the coordinator all of its). New per-peer facts go under a DHT key of their own, as
+    RoundCounts and LeavingRecord do."""
+    assert set(PeerMetrics.__fields__) == {
+        "peer_id", "epoch", "samples", "samples_per_second", "loss", "steps", "time", "client_mode",
+        "last_round_peers", "swarm_peers", "fingerprint", "user", "maddrs", "identity", "identity_proof",
+        "session", "credited_samples", "credited_steps"}
+
+
+def test_round_counts_count_only_under_the_key_that_signed_a_screened_record_of_the_same_session(monkeypatch):
+    import crowdtrain.swarm.metrics as m
+
+    monkeypatch.setattr(m, "signer_peer_id", lambda record, subkey, run_id: {b"ka": "a", b"kb": "b"}.get(subkey))
+    a, b = record("a", 1.0, 0, 0), record("b", 1.0, 0, 0)
+    stored = [StoredRecord(b"ka", a.dict(), 60.0), StoredRecord(b"kb", b.dict(), 60.0)]
+    found = round_counts_of(stored, {b"ka": counts(1.0, 4, 3), b"kb": counts(1.0, 9, 9, session="old")},
+                            [a, b], "run")
+    assert found == {"a": counts(1.0, 4, 3)}, "b's counts are of another session"
+    assert round_counts_of(stored, {b"ka": counts(1.0, 4, 3)}, [b], "run") == {}, "a's record did not pass screen"
+    # Counts under a key whose record claims to be another peer's: not that peer's.
+    forged = [StoredRecord(b"kb", a.dict(), 60.0)]
+    assert round_counts_of(forged, {b"kb": counts(1.0, 4, 3)}, [a], "run") == {}
 
 
 def test_round_health_counts_what_grew_in_the_window_per_session():
     health = RoundHealth(window_s=300)
     now = 10_000.0
+    users = {"a": "alice", "b": "bob"}
     # Seen first long after it started (a restarted coordinator): its old rounds are not this window's.
-    health.add([record("a", now - 100, 40, 30)], now=now - 100)
-    health.add([record("a", now - 50, 44, 34), record("b", now - 50, 3, 0, user="bob")], now=now - 50)
-    health.add([record("a", now, 48, 38), record("b", now, 7, 0, user="bob")], now=now)
+    health.add({"a": counts(now - 100, 40, 30)}, users=users, now=now - 100)
+    health.add({"a": counts(now - 50, 44, 34), "b": counts(now - 50, 3, 0)}, users=users, now=now - 50)
+    health.add({"a": counts(now, 48, 38), "b": counts(now, 7, 0)}, users=users, now=now)
     assert health.summary() == {"window_s": 300, "rounds": 12, "apart": 8, "users": ["alice"]}
     # A restarted peer is a new session: its counts start again from its first record.
-    health.add([record("a", now + 10, 2, 2, session="s2")], now=now + 10)
-    health.add([record("a", now + 20, 3, 2, session="s2")], now=now + 20)
+    health.add({"a": counts(now + 10, 2, 2, session="s2")}, users=users, now=now + 10)
+    health.add({"a": counts(now + 20, 3, 2, session="s2")}, users=users, now=now + 20)
     assert health.summary()["rounds"] == 13
     # Past the window, only what grew since its last earlier point counts.
-    health.add([record("a", now + 400, 3, 2, session="s2"), record("b", now + 400, 9, 0, user="bob")], now=now + 400)
+    health.add({"a": counts(now + 400, 3, 2, session="s2"), "b": counts(now + 400, 9, 0)}, users=users, now=now + 400)
     assert health.summary() == {"window_s": 300, "rounds": 2, "apart": 0, "users": []}
 
 

@@ -153,7 +153,7 @@ def run_status(run_dir: Path, store: Store) -> dict:
             "finished": finished_at is not None, "finished_at": finished_at, "schedule": schedule or {},
             "last_checkpoint_epoch": status.last_checkpoint_epoch, "updated": status.updated,
             "peers": live, "model": task.get("model", {}), "data": task.get("data"),
-            "problems": problems}
+            "rounds": status.rounds if isinstance(status.rounds, dict) else {}, "problems": problems}
 
 
 def rounds_failing(rounds: dict) -> str | None:

@@ -78,10 +78,6 @@ class PeerMetrics(pydantic.BaseModel):
     session: pydantic.constr(strict=True, max_length=32) = ""
     credited_samples: Count = 0
     credited_steps: Count = 0
-    # Rounds this session took part in, and those it averaged with nobody although other peers
-    # were training (a failed round: the coordinator shows many as a problem, crowdtrain.swarm.metrics.RoundHealth).
-    rounds: Count = 0
-    rounds_apart: Count = 0
 
 
 class Ledger:
@@ -119,29 +115,37 @@ class Ledger:
     def record_fields(self) -> dict:
         """The PeerMetrics fields that carry this ledger."""
         with self._lock:
+            return {"session": self.session, "credited_samples": self.samples, "credited_steps": self.steps}
+
+    def round_counts(self, now: float) -> "RoundCounts":
+        """This session's rounds and those it averaged with nobody although other peers were
+        training (a failed round), for :func:`publish_round_counts`."""
+        with self._lock:
             apart = sum(e["group_size"] < 2 and e["swarm_peers"] >= 2 for e in self.entries)
-            return {"session": self.session, "credited_samples": self.samples, "credited_steps": self.steps,
-                    "rounds": len(self.entries), "rounds_apart": apart}
+            return RoundCounts(session=self.session, time=now, rounds=len(self.entries), rounds_apart=apart)
 
 
 class RoundHealth:
     """Whether the swarm's rounds are forming, from peers' signed counts of their rounds
-    (``PeerMetrics.rounds`` and ``rounds_apart``, cumulative per session), over the last
+    (:class:`RoundCounts`, cumulative per session), over the last
     ``window_s``: the coordinator's view of "Averaging step failed: could not find a group".
 
     A peer's counts are compared with its own earliest record in the window, so a restarted peer
     (a new session) or a missed record neither hides nor repeats a failure. Only the counts of
-    records that passed :func:`screen` are used; a peer can misreport only its own rounds."""
+    peers whose metrics records passed :func:`screen` are used; a peer can misreport only its own
+    rounds."""
 
     def __init__(self, *, window_s: float = 300.0):
         self.window_s = window_s
         self._seen: dict[tuple[str, str], list[tuple[float, int, int, str]]] = {}  # (peer, session) -> history
 
-    def add(self, records: list[PeerMetrics], *, now: float) -> None:
-        for r in records:
-            history = self._seen.setdefault((r.peer_id, r.session), [])
-            if not history or history[-1][0] != r.time:
-                history.append((r.time, r.rounds, r.rounds_apart, r.user))
+    def add(self, counts: dict[str, "RoundCounts"], *, users: dict[str, str], now: float) -> None:
+        """``counts``: peer ID to its latest round counts (:func:`round_counts_of`); ``users``:
+        peer ID to the user its token was issued to."""
+        for peer_id, c in counts.items():
+            history = self._seen.setdefault((peer_id, c.session), [])
+            if not history or history[-1][0] != c.time:
+                history.append((c.time, c.rounds, c.rounds_apart, users.get(peer_id, "anonymous")))
         for key in list(self._seen):
             recent = [h for h in self._seen[key] if h[0] >= now - self.window_s]
             # Keep the last point before the window as its baseline.
@@ -189,15 +193,25 @@ class LeavingRecord(pydantic.BaseModel):
     epoch: Count  # the global epoch it leaves at
 
 
+class RoundCounts(pydantic.BaseModel):
+    """A peer's rounds this session (:meth:`Ledger.round_counts`), under the key that signs its
+    metrics records."""
+    session: pydantic.constr(strict=True, max_length=32)
+    time: pydantic.confloat(ge=0.0, le=MAX_TIME, strict=True, allow_inf_nan=False)
+    rounds: Count
+    rounds_apart: Count
+
+
 class RunSchema(pydantic.BaseModel):
     metrics: Dict[BytesWithPublicKey, PeerMetrics]
     auth: Dict[BytesWithPublicKey, AccessTokenRecord]
     rounds: Dict[BytesWithPublicKey, RoundRecord]
-    # A key of its own, not a field of PeerMetrics: hivemind's schema check refuses a record that
+    # Keys of their own, not fields of PeerMetrics: hivemind's schema check refuses a record that
     # lacks a field (even one with a default) or has one more, so a new field would make peers of
-    # two versions refuse each other's metrics. Peers whose schema has no ``leaving`` accept records
+    # two versions refuse each other's metrics. Peers whose schema lacks a key accept records
     # under it (unknown keys are allowed).
     leaving: Dict[BytesWithPublicKey, LeavingRecord]
+    round_counts: Dict[BytesWithPublicKey, RoundCounts]
 
 
 class CountingSchemaValidator(SchemaValidator):
@@ -400,6 +414,58 @@ def leaving_peer_ids(stored: list[StoredRecord], leaving: set, run_id: str) -> s
         if signer_peer_id(record, item.subkey, run_id) == record.peer_id:
             gone.add(record.peer_id)
     return gone
+
+
+def round_counts_key(run_id: str) -> str:
+    return f"{run_id}_round_counts"
+
+
+def publish_round_counts(dht: hivemind.DHT, run_id: str, signer: RSASignatureValidator, counts: RoundCounts,
+                         *, expiration_s: float = 60.0):
+    """Store (in the background) this peer's round counts beside its metrics record, under the same
+    signing key; the store's future."""
+    return dht.store(key=round_counts_key(run_id), subkey=signer.local_public_key, value=counts.dict(),
+                     expiration_time=get_dht_time() + expiration_s, return_future=True)
+
+
+def fetch_round_counts(dht: hivemind.DHT, run_id: str, *, timeout_s: float = 10.0) -> dict:
+    """Signing key (subkey) to the well-formed :class:`RoundCounts` stored under it lately."""
+    try:
+        found = dht.get(round_counts_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+    except Exception as e:  # a slow DHT: no counts this time
+        logger.debug("could not read round counts: %r", e)
+        return {}
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    counts = {}
+    for subkey, entry in found.value.items():
+        try:
+            counts[subkey] = RoundCounts.parse_obj(entry.value)
+        except (pydantic.ValidationError, TypeError):
+            continue
+    return counts
+
+
+def round_counts_of(stored: list[StoredRecord], counts: dict, records: list[PeerMetrics],
+                    run_id: str) -> dict[str, RoundCounts]:
+    """Peer ID to its round counts, for the peers whose metrics ``records`` passed :func:`screen`:
+    counts stored under the key that signed the peer's metrics record, of the same session. A
+    peer's counts are its own word, like its record: they can misstate its own rounds, nobody else's."""
+    passed = {r.peer_id: r for r in records}
+    found = {}
+    for item in stored:
+        c = counts.get(item.subkey)
+        if c is None:
+            continue
+        try:
+            record = PeerMetrics.parse_obj(item.value)
+        except (pydantic.ValidationError, TypeError):
+            continue
+        ok = passed.get(record.peer_id)
+        if (ok is not None and ok.session == c.session and record.session == c.session
+                and signer_peer_id(record, item.subkey, run_id) == record.peer_id):
+            found[record.peer_id] = c
+    return found
 
 
 def live_records(records: list[PeerMetrics], *, now: float, gone: set = frozenset(),

@@ -328,6 +328,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
             def publish_final():
                 try:
                     swarm_metrics.publish(dht, swarm.run_id, signer, final).result()
+                    swarm_metrics.publish_round_counts(dht, swarm.run_id, signer,
+                                                       optimizer.ledger.round_counts(time.time())).result()
                     swarm_metrics.publish_leaving(dht, swarm.run_id, signer, epoch=optimizer.local_epoch).result()
                 except Exception as e:  # the p2p daemon already gone (Ctrl-C in a terminal)
                     logger.debug("could not store the last metrics record: %r", e)
@@ -537,6 +539,7 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
                           user=summary["user"], maddrs=summary["maddrs"], **endorsement,
                           **optimizer.ledger.record_fields())
             swarm_metrics.publish(dht, swarm.run_id, signer, swarm_metrics.PeerMetrics(**record))
+            swarm_metrics.publish_round_counts(dht, swarm.run_id, signer, optimizer.ledger.round_counts(time.time()))
             summary["_last_record"] = record
             epoch_seen, last_report = optimizer.local_epoch, now
     window = losses[-20:]
