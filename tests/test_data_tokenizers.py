@@ -197,7 +197,7 @@ class _PickledCallback:
 def test_text_tokenizer_pads_with_zero_and_is_deterministic(tmp_path):
     captions = [c for _, c, _ in shapes.generate_samples(300, seed=0)]
     a = train_text_tokenizer(captions, vocab_size=200, out=tmp_path / "a.json")
-    b = train_text_tokenizer(captions, vocab_size=200, out=tmp_path / "b.json")
+    train_text_tokenizer(captions, vocab_size=200, out=tmp_path / "b.json")
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
     ids = a.encode_batch(["a small red circle above a large blue square", "A Large Green Square"], 16)
     assert ids.shape == (2, 16) and ids.dtype == torch.long

@@ -72,7 +72,7 @@ def test_preset_counts_match_the_code():
 
     stored = json.loads(PRESETS_JSON.read_text())
     for name in ("tiny", "demo"):
-        assert count_preset(name) == stored[name], f"run `python -m crowdtrain.memcalc.calibrate presets`"
+        assert count_preset(name) == stored[name], "run `python -m crowdtrain.memcalc.calibrate presets`"
 
 
 @pytest.mark.parametrize("changes", [{}, {"rotary": False}, {"layer_scale": True}, {"heads": 2, "ff_mult": 3},
