@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from crowdtrain.optim.loss_scale import LossScale
 from crowdtrain.swarm.rounds import RoundSummary
 
 logger = logging.getLogger(__name__)
@@ -472,6 +473,9 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
     last_report = start
     epoch_seen = optimizer.local_epoch
     first_contribution_s = None
+    # fp16 gradients underflow without it; hivemind's optimizer steps copies of the parameters,
+    # so the model's gradients are unscaled here, before optimizer.step (crowdtrain.optim.loss_scale).
+    loss_scale = LossScale(enabled=config.precision == "fp16")
     while not stop_event.is_set():
         if run_end is not None:  # the run's end (crowdtrain.swarm.schedule_watch), moved when it is extended
             optimizer.final_epoch = run_end.final_epoch(config.max_epochs)
@@ -490,14 +494,18 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
             loss = task.loss(model, batch)
         if (config.fault or "").startswith("nan-every=") and (steps + dropped + 1) % int(config.fault[10:]) == 0:
             loss = loss * float("nan")
-        loss.backward()
+        loss_scale.scale_loss(loss).backward()
         grads = [p.grad for p in model.parameters()]
-        if not torch.isfinite(loss) or not all_finite(grads):
+        finite = bool(torch.isfinite(loss)) and all_finite(grads)
+        loss_scale.update(finite=finite)
+        if not finite:
             # Never send a non-finite gradient: drop this batch and go on.
-            logger.warning("non-finite loss or gradient (loss %s); dropping this batch", loss.item())
+            logger.warning("non-finite loss or gradient (loss %s%s); dropping this batch", loss.item(),
+                           f", fp16 loss scale now {loss_scale.scale:g}" if loss_scale.enabled else "")
             optimizer.zero_grad()
             dropped += 1
             continue
+        loss_scale.unscale_(grads)
         if config.simulated_step_s > 0:
             # Pad the computation, not the waiting: a slower device computes longer, its network is no slower.
             over_budget += time.perf_counter() - t_step > config.simulated_step_s

@@ -73,6 +73,8 @@ def autocast_context(device: torch.device, precision: str):
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     if device.type == "cpu" and dtype == torch.float16:
         raise ValueError("fp16 autocast needs a GPU; use --precision bf16 or fp32 on CPU")
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError("this GPU has no bf16 (it came with Ampere); use --precision fp16, which is loss-scaled")
     return torch.autocast(device.type, dtype=dtype)
 
 
