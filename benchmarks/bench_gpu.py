@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--preset", default="paper", help="model preset: tiny, demo or paper")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default=None, help="bf16 (GPU default), fp16 or fp32 (CPU default)")
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16",
+    parser.add_argument("--batch-sizes", default="2,8,32",
                         help="comma-separated; each reversible/attention setting stops at its first out-of-memory")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per setting (the median is kept)")
     parser.add_argument("--warmup", type=int, default=2)
