@@ -1,9 +1,14 @@
-"""fp16 loss scaling for the swarm peer, whose optimizer (hivemind's) steps copies of the
-parameters, so torch's GradScaler cannot unscale for it (crowdtrain.optim.loss_scale)."""
+"""Mixed precision on a GPU, where the CPU can show it: fp16 loss scaling for the swarm peer,
+whose optimizer (hivemind's) steps copies of the parameters, so torch's GradScaler cannot unscale
+for it (crowdtrain.optim.loss_scale); and bf16 refused, with the fix, on a GPU that lacks it."""
 
+from unittest import mock
+
+import pytest
 import torch
 
 from crowdtrain.optim.loss_scale import LossScale
+from crowdtrain.train.local import autocast_context
 
 
 def half_chain_grad(loss_scale: LossScale) -> torch.Tensor:
@@ -44,3 +49,10 @@ def test_disabled_scaling_is_the_identity():
     scale.update(finite=False)
     scale.unscale_([grad, None])
     assert scale.scale_loss(loss) is loss and torch.equal(grad, torch.ones(2)) and scale.scale == 1.0
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_with_the_fix():
+    # Checked before torch.autocast("cuda") is built, so a CPU-only torch reaches the check too.
+    with mock.patch("torch.cuda.is_bf16_supported", return_value=False):
+        with pytest.raises(ValueError, match="precision fp16"):
+            autocast_context(torch.device("cuda"), "bf16")
