@@ -108,7 +108,7 @@ def test_kv_cache_sampling_equals_uncached_on_cuda(reversible):
     text = random_batch(cfg)[0].to(CUDA)
     codes, cached = generate_images(model, text, seed=3, top_k=None, return_logits=True)
     codes_u, uncached = generate_images(model, text, seed=3, top_k=None, return_logits=True, use_cache=False)
-    assert codes.device.type == "cuda"
+    assert codes.device.type == CUDA.type
     torch.testing.assert_close(uncached, cached, rtol=1e-9, atol=1e-9)
     assert torch.equal(codes, codes_u)
 
@@ -123,8 +123,8 @@ def test_a_checkpoint_written_on_cuda_loads_on_cpu_and_back(tmp_path):
     assert all(p.device.type == "cpu" for p in on_cpu.parameters())
     for name, tensor in model.state_dict().items():
         assert torch.equal(on_cpu.state_dict()[name], tensor.cpu()), name
-    back, _ = load_checkpoint(tmp_path / "ckpt", device="cuda")
-    assert all(t.device.type == "cuda" for t in back.state_dict().values())
+    back, _ = load_checkpoint(tmp_path / "ckpt", device=CUDA)
+    assert all(t.device.type == CUDA.type for t in back.state_dict().values())
     with torch.no_grad():
         expected = model.eval()(text.to(CUDA), image.to(CUDA)).loss
         torch.testing.assert_close(back.eval()(text.to(CUDA), image.to(CUDA)).loss, expected)
