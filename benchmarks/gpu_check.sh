@@ -7,45 +7,49 @@
 #
 # The GPU box is assumed to have python3 with a CUDA torch (and pytest) but none of the swarm's
 # packages, and may reach no registry: the packages come from the wheels in .whl/ (git-ignored;
-# carry the folder with the working tree), and only when those fail from pip's registry.
-# Results: $OUT if set, else benchmarks/results/gpu_check-<UTC time>/ (gpu_check.log,
-# bench_gpu.json, pytest_cuda.xml). PYTHON picks the interpreter (default python3);
-# PYTHON_VERSION the GPU box's, for --fetch (default 3.12).
+# carry the folder with the working tree), and only when something still fails to import from
+# pip's registry. Results: $OUT if set, else benchmarks/results/gpu_check-<UTC time>/
+# (gpu_check.log, bench_gpu.json, pytest_cuda.xml). PYTHON picks the interpreter (default
+# python3); PYTHON_VERSION the GPU box's, for --fetch (default 3.12).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 # What crowdtrain needs beyond torch: its own dependencies, the swarm and the coordinator's web
-# extras (the two-volunteer test starts a coordinator), from pyproject.toml.
+# extras (the two-volunteer test starts a coordinator), from pyproject.toml; not plotly (memcalc's
+# page) nor psycopg (PostgreSQL coordinators), which the check does not use.
 requirements() {
-    "$PY" - <<'EOF'
+    "$PY" -c '
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
 for req in project["dependencies"] + extras["swarm"] + extras["web"]:
-    if not req.startswith("torch"):
+    if not req.startswith(("torch", "plotly", "psycopg")):
         print(req)
-EOF
+'
 }
 
+# Of those and what they need, what the device image lacks (its package list, 2026-11; numpy
+# because the image's is 2.5 and the swarm extra pins < 2.4). --fetch takes the versions installed
+# where it runs, one wheel each without dependencies: about 85 MB, more than the device tool
+# carries in one call (64 MiB with the tree), so carry .whl/ in two parts to a warm machine
+# (each run installs the wheels it finds; once everything imports, none are needed).
+LACKS=(numpy hivemind bitsandbytes annotated-types base58 blake3 cffi configargparse cryptography fastapi
+       grpcio-tools mmh3 morphys netaddr opentelemetry-api prefetch-generator py-cid py-multibase
+       py-multicodec py-multihash pycparser pydantic pydantic-core python-baseconv sqlalchemy starlette
+       swagger-ui-py typing-inspection uvicorn varint)
+
 if [[ "${1:-}" == "--fetch" ]]; then
-    # Binary wheels for the GPU box's Python (manylinux x86_64), with their dependencies; torch
-    # and the CUDA libraries are already there, so whatever pulls them in is fetched without deps.
     mkdir -p .whl
     platforms=()
-    for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
-               manylinux1_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_24_x86_64; do
-        platforms+=(--platform "$tag")
-    done
-    ver=${PYTHON_VERSION:-3.12}
-    fetch=(-m pip download --only-binary=:all: --python-version "$ver" --implementation cp
-           "${platforms[@]}" -d .whl)
-    mapfile -t reqs < <(requirements)
-    others=()
-    for req in "${reqs[@]}"; do [[ "$req" == bitsandbytes* ]] || others+=("$req"); done
-    "$PY" "${fetch[@]}" "${others[@]}" || exit 1
-    "$PY" "${fetch[@]}" --no-deps "$(printf '%s\n' "${reqs[@]}" | grep '^bitsandbytes')" || exit 1
-    echo "wheels in .whl/ ($(du -sh .whl | cut -f1)); the device tool carries at most 64 MiB in all"
+    for n in 17 24 27 28 31 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+    platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+    pins=$("$PY" -c 'import sys, importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+        "${LACKS[@]}") || exit 1
+    # shellcheck disable=SC2086  # one pin per word
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
+        --implementation cp "${platforms[@]}" -d .whl $pins || exit 1
+    echo "wheels in .whl/: $(du -sh .whl | cut -f1) (the device tool carries at most 64 MiB with the tree)"
     exit 0
 fi
 
@@ -58,13 +62,16 @@ echo "== gpu_check $(date -u +%FT%TZ) on $(hostname), commit $(git rev-parse --s
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: none"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'sees', torch.cuda.device_count(), 'GPU(s)')"
 
-mapfile -t reqs < <(requirements)
-if "$PY" -c "import hivemind, bitsandbytes, fastapi" 2>/dev/null; then
-    echo "== packages: already installed"
-elif ls .whl/*.whl >/dev/null 2>&1 && "$PY" -m pip install -q --no-index --find-links .whl "${reqs[@]}"; then
-    echo "== packages: installed from .whl/"
+imports_ok() { "$PY" -c "import hivemind, bitsandbytes, fastapi, uvicorn, sqlalchemy, einops" 2>/dev/null; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+    echo "== packages: installing the wheels in .whl/"
+    "$PY" -m pip install -q --no-index --no-deps .whl/*.whl || echo "!! some wheels in .whl/ did not install"
+fi
+if imports_ok; then
+    echo "== packages: all there"
 else
     echo "== packages: from pip's registry"
+    mapfile -t reqs < <(requirements)
     "$PY" -m pip install -q "${reqs[@]}" || echo "!! pip could not install everything; the tests below say what is missing"
 fi
 
