@@ -77,9 +77,9 @@ fi
 
 status=0
 echo "== CUDA tests (pytest -m cuda)"
-timeout 300 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda.py \
+timeout 270 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda.py \
     || status=1
 echo "== bench_gpu.py"
-timeout 180 "$PY" benchmarks/bench_gpu.py --out "$OUT/bench_gpu.json" || status=1
+timeout 150 "$PY" benchmarks/bench_gpu.py --out "$OUT/bench_gpu.json" || status=1
 echo "== done (status $status): $OUT"
 exit $status
