@@ -167,9 +167,10 @@ def sampling_row(args, device) -> dict:
             "seconds": seconds, "samples_per_s": args.samples / seconds}
 
 
-def offload_row(args, device) -> dict:
+def offload_row(args, device, batch: int) -> dict:
     """The offloaded 8-bit LAMB step (crowdtrain.swarm.optimizer.ClippedLAMB8bit on host copies
-    of the parameters, as hivemind's offload_optimizer keeps them), alone and beside a step."""
+    of the parameters, as hivemind's offload_optimizer keeps them), alone and beside a training
+    step of ``batch`` (the largest that fit): a small batch's step is too short to hide it."""
     from crowdtrain.runspec.swarm import SwarmConfig
     from crowdtrain.swarm.optimizer import make_lamb
 
@@ -181,7 +182,6 @@ def offload_row(args, device) -> dict:
     for h in host:
         h.grad = torch.zeros_like(h)
     optimizer = make_lamb(host, SwarmConfig())
-    batch = args.batch_sizes[0]
     step = make_step(model, *batch_of(config, batch, device), device, args.precision)
     step()  # gradients to offload
 
@@ -268,7 +268,8 @@ def main(argv=None) -> dict:
 
     rows = train_rows(args, device, flops_model)
     rows.append(sampling_row(args, device))
-    rows.append(offload_row(args, device))
+    fitted = [r["batch"] for r in rows if r["section"] == "train" and r["reversible"] and not r["oom"]]
+    rows.append(offload_row(args, device, max(fitted, default=args.batch_sizes[0])))
     result = {"device": name, "device_type": device.type, "torch": torch.__version__,
               "cuda": torch.version.cuda, "preset": args.preset, "precision": args.precision,
               "seq_len": get_preset(args.preset).seq_len, "model_flops_per_token": flops_model,

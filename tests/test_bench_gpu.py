@@ -47,6 +47,6 @@ def test_bench_gpu_runs_on_cpu_with_the_tiny_preset_and_writes_every_figure(tmp_
     assert sampling["samples"] == 2 and sampling["kv_cache"] and sampling["samples_per_s"] > 0
     (offload,) = [r for r in result["rows"] if r["section"] == "offload"]
     assert offload["params"] == sum(p.numel() for p in DalleTransformer(get_preset("tiny")).parameters())
-    assert offload["optimizer_s"] > 0 and offload["overlapped_s"] > 0 and isinstance(offload["hidden"], bool)
+    assert offload["batch"] == 2 and offload["optimizer_s"] > 0 and offload["overlapped_s"] > 0 and isinstance(offload["hidden"], bool)
     printed = capsys.readouterr().out
     assert "samples/s" in printed and "offloaded 8-bit LAMB" in printed
