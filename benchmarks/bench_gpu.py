@@ -11,7 +11,8 @@ Prints a table and writes JSON (with the device's name) for one model preset, by
 - peak GPU memory of each step against `crowdtrain memcalc` for the same settings (8-bit
   optimizer, offloaded). Autocast keeps fp32 weights and gradients and caches 16-bit copies
   of the weights, which memcalc does not model: its `mixed` (16-bit weights and gradients) is the
-  lower figure and `fp32` (every byte at 4) the upper one; `vs_memcalc` is against `mixed`;
+  lower figure and `fp32` (every byte at 4) the upper one; `vs_memcalc` is against `mixed`
+  (against `fp32` for an fp32 run);
 - sampling: samples/s for ``--samples`` (128: the paper's re-ranking batch) of one prompt with
   the KV cache;
 - the offloaded 8-bit LAMB step (gradients to the host, the step on the CPU, weights back) on its
@@ -109,13 +110,14 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def memcalc_gb(preset: str, *, batch: int, reversible: bool, precision: str) -> dict[str, float]:
-    common = dict(optimizer="8bit", offload=True, reversible=reversible, batch_size=batch)
+def memcalc_gb(preset: str, *, batch: int, reversible: bool) -> dict[str, float]:
+    common = {"optimizer": "8bit", "offload": True, "reversible": reversible, "batch_size": batch}
     return {p: estimate(f"crowdtrain-{preset}", precision=p, **common).gpu_total / GIB for p in ("mixed", "fp32")}
 
 
 def train_rows(args, device, flops_model) -> list[dict]:
     rows = []
+    reference = "fp32" if args.precision == "fp32" else "mixed"  # the memcalc figure vs_memcalc compares with
     for reversible in (True, False):
         config = get_preset(args.preset, reversible=reversible, checkpointing=False)
         torch.manual_seed(0)
@@ -125,6 +127,7 @@ def train_rows(args, device, flops_model) -> list[dict]:
             for batch in args.batch_sizes:
                 row = {"section": "train", "reversible": reversible, "attention": impl, "batch": batch,
                        "precision": args.precision}
+                oom = False
                 try:
                     text, image = batch_of(config, batch, device)
                     step = make_step(model, text, image, device, args.precision)
@@ -133,6 +136,9 @@ def train_rows(args, device, flops_model) -> list[dict]:
                 except RuntimeError as e:
                     if not is_oom(e):
                         raise
+                    oom = True
+                if oom:  # outside the handler: the exception's frames hold the step's tensors
+                    text = image = step = None
                     model.zero_grad(set_to_none=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -140,11 +146,11 @@ def train_rows(args, device, flops_model) -> list[dict]:
                     break  # larger batches do not fit either
                 samples_per_s = batch / seconds
                 achieved = samples_per_s * config.seq_len * flops_model / 1e12
-                calc = memcalc_gb(args.preset, batch=batch, reversible=reversible, precision=args.precision)
+                calc = memcalc_gb(args.preset, batch=batch, reversible=reversible)
                 rows.append({**row, "oom": False, "step_s": seconds, "samples_per_s": samples_per_s,
                              "model_tflops": achieved, "mfu": achieved / args.peak_tflops if args.peak_tflops else None,
-                             "peak_gb": peak / GIB, "memcalc_gb": calc,
-                             "vs_memcalc": peak / GIB / calc["mixed"] - 1})
+                             "peak_gb": peak / GIB, "memcalc_gb": calc, "vs_memcalc_of": reference,
+                             "vs_memcalc": peak / GIB / calc[reference] - 1})
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -219,7 +225,7 @@ def offload_row(args, device, batch: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'reversible':>10} {'attention':>9} {'batch':>5} {'samples/s':>10} {'MFU':>6} {'peak GiB':>9} "
-             f"{'memcalc mixed..fp32':>20} {'vs mixed':>8}"]
+             f"{'memcalc mixed..fp32':>20} {'vs memcalc':>10}"]
     for r in rows:
         if r["section"] != "train":
             continue
@@ -228,9 +234,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{head} {'out of memory':>10}")
             continue
         mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "     -"
-        calc = f"{r['memcalc_gb']['mixed']:.2f}..{r['memcalc_gb']['fp32']:.2f}"
+        calc = f"{r['memcalc_gb']['mixed']:.3f}..{r['memcalc_gb']['fp32']:.3f}"
         lines.append(f"{head} {r['samples_per_s']:10.2f} {mfu} {r['peak_gb']:9.3f} {calc:>20} "
-                     f"{100 * r['vs_memcalc']:+7.1f}%")
+                     f"{100 * r['vs_memcalc']:+9.1f}%")
     for r in rows:
         if r["section"] == "sampling":
             lines.append(f"sampling {r['samples']} of one prompt (KV cache): {r['samples_per_s']:.2f} samples/s "
