@@ -8,25 +8,9 @@ import pytest
 import torch
 
 from crowdtrain.optim.loss_scale import LossScale
+from crowdtrain.swarm.optimizer import all_finite
+from crowdtrain.swarm.peer import backward_checked
 from crowdtrain.train.local import autocast_context
-
-
-def half_chain_grad(loss_scale: LossScale) -> torch.Tensor:
-    """The gradient of w through fp16 ops whose true value, 1e-8, is below fp16's smallest number."""
-    w = torch.ones(3, requires_grad=True)
-    small = torch.tensor(1e-4, dtype=torch.float16)
-    loss = ((w.half() * small) * small).float().sum()
-    loss_scale.scale_loss(loss).backward()
-    loss_scale.unscale_([w.grad])
-    return w.grad
-
-
-def test_scaling_keeps_fp16_gradients_that_underflow_without_it():
-    assert torch.equal(half_chain_grad(LossScale(enabled=False)), torch.zeros(3))  # flushed to zero
-    # 2**14, not the default 2**16: that would overflow fp16 (max 65504) at the loss itself here,
-    # and the scale would halve twice before the first kept step.
-    grad = half_chain_grad(LossScale(enabled=True, init_scale=2.0**14))
-    torch.testing.assert_close(grad, torch.full((3,), 1e-8), rtol=1e-2, atol=0)
 
 
 def test_scale_halves_on_overflow_and_grows_after_a_run_of_finite_steps():
@@ -53,6 +37,36 @@ def test_disabled_scaling_is_the_identity():
 
 def test_bf16_on_a_gpu_without_it_is_refused_with_the_fix():
     # Checked before torch.autocast("cuda") is built, so a CPU-only torch reaches the check too.
-    with mock.patch("torch.cuda.is_bf16_supported", return_value=False):
-        with pytest.raises(ValueError, match="precision fp16"):
-            autocast_context(torch.device("cuda"), "bf16")
+    with mock.patch("torch.cuda.is_bf16_supported", return_value=False), \
+            pytest.raises(ValueError, match="precision fp16"):
+        autocast_context(torch.device("cuda"), "bf16")
+
+
+class HalfChain(torch.nn.Module):
+    """A loss whose gradient (1e-8 per weight) passes through fp16, as under fp16 autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, factor: float = 1.0) -> torch.Tensor:
+        small = torch.tensor(1e-4, dtype=torch.float16)
+        return ((self.w.half() * small) * small).float().sum() * factor
+
+
+def test_the_peers_backward_keeps_small_fp16_gradients_and_drops_an_overflow():
+    """The swarm peer's step (crowdtrain.swarm.peer.backward_checked) with --precision fp16:
+    the gradient the optimizer sees is the true one, and an overflowing batch is refused and
+    halves the scale instead of reaching the optimizer."""
+    # 2**14: the default 2**16 would overflow fp16 (max 65504) at this loss itself, and the
+    # scale would halve twice before the first kept batch.
+    model, scale = HalfChain(), LossScale(enabled=True, init_scale=2.0**14)
+    assert backward_checked(model(), model, scale, all_finite)
+    torch.testing.assert_close(model.w.grad, torch.full((3,), 1e-8), rtol=1e-2, atol=0)
+    model.w.grad = None
+    assert not backward_checked(model(float("inf")), model, scale, all_finite)
+    assert scale.scale == 2.0**13
+    # Unscaled: fp16 flushes the same gradient to zero.
+    model.w.grad = None
+    assert backward_checked(model(), model, LossScale(enabled=False), all_finite)
+    assert torch.equal(model.w.grad, torch.zeros(3))

@@ -462,6 +462,19 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
         logger.warning("%s did not finish within %.0fs; leaving anyway", what, timeout_s)
 
 
+def backward_checked(loss: torch.Tensor, model: torch.nn.Module, loss_scale: LossScale, all_finite) -> bool:
+    """Backward of ``loss`` (scaled when ``loss_scale`` is enabled). True if the loss and every
+    gradient are finite; the gradients are then unscaled, ready for the optimizer. False: the
+    batch must be dropped (an fp16 overflow has halved the scale)."""
+    loss_scale.scale_loss(loss).backward()
+    grads = [p.grad for p in model.parameters()]
+    finite = bool(torch.isfinite(loss)) and all_finite(grads)
+    loss_scale.update(finite=finite)
+    if finite:
+        loss_scale.unscale_(grads)
+    return finite
+
+
 def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
                 swarm_metrics, all_finite, autocast_context, t_join, run_end=None) -> None:
     batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
@@ -494,18 +507,13 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
             loss = task.loss(model, batch)
         if (config.fault or "").startswith("nan-every=") and (steps + dropped + 1) % int(config.fault[10:]) == 0:
             loss = loss * float("nan")
-        loss_scale.scale_loss(loss).backward()
-        grads = [p.grad for p in model.parameters()]
-        finite = bool(torch.isfinite(loss)) and all_finite(grads)
-        loss_scale.update(finite=finite)
-        if not finite:
+        if not backward_checked(loss, model, loss_scale, all_finite):
             # Never send a non-finite gradient: drop this batch and go on.
             logger.warning("non-finite loss or gradient (loss %s%s); dropping this batch", loss.item(),
                            f", fp16 loss scale now {loss_scale.scale:g}" if loss_scale.enabled else "")
             optimizer.zero_grad()
             dropped += 1
             continue
-        loss_scale.unscale_(grads)
         if config.simulated_step_s > 0:
             # Pad the computation, not the waiting: a slower device computes longer, its network is no slower.
             over_budget += time.perf_counter() - t_step > config.simulated_step_s
