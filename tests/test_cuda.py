@@ -134,18 +134,19 @@ def test_a_checkpoint_written_on_cuda_loads_on_cpu_and_back(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("mode", ["sync", "diloco"])
-def test_two_cuda_volunteers_on_one_gpu_train_together(swarm_factory, mode):
+@pytest.mark.parametrize("mode,precision", [("sync", "fp16"), ("diloco", "bf16")])
+def test_two_cuda_volunteers_on_one_gpu_train_together(swarm_factory, mode, precision):
     """Two `crowdtrain join --device cuda` peers on one GPU. Sync mode: the optimizer offloaded
-    to the CPU with the delayed update (the defaults, set here explicitly); DiLoCo: the global
-    parameters and the outer optimizer live on the CPU by design."""
+    to the CPU with the delayed update (the defaults, set here explicitly), in fp16, so the peer's
+    loss scaling runs; DiLoCo: the global parameters and the outer optimizer live on the CPU by
+    design."""
     settings = ({"offload_optimizer": True, "delay_optimizer_step": True} if mode == "sync"
                 else {"mode": "diloco", "lr": 0.003})
     swarm = swarm_factory(swarm={"target_batch_size": 768, **settings})
     swarm.start_coordinator()
     epochs = 5
     for name in "ab":
-        swarm.join(name, batch_size=32, max_epochs=epochs, extra=["--device", "cuda", "--precision", "bf16"])
+        swarm.join(name, batch_size=32, max_epochs=epochs, extra=["--device", "cuda", "--precision", precision])
     for name in "ab":
         assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
     summaries = {n: swarm.summary(n) for n in "ab"}
