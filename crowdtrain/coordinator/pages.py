@@ -189,7 +189,8 @@ def _shapes_prompts(run_prompts: list | None, items: list[dict]) -> bool:
 
 
 def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: str,
-                  checkpoint_dir: Path | None = None) -> APIRouter:
+                  checkpoint_dir: Path | None = None, install: str = "") -> APIRouter:
+    """``install``: the line that installs this coordinator's crowdtrain (crowdtrain.release)."""
     run_dir = Path(run_dir)
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else run_dir / "checkpoints"
     templates = _templates()
@@ -204,7 +205,8 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
         status = run_status(run_dir, store)
         total = status["total_epochs"]
         base = {"nav": NAV, "page": page, "public_url": public_url, "auth_mode": auth_mode,
-                "join_command": join_command(public_url, auth_mode), "run_id": info.get("run_id"),
+                "join_command": join_command(public_url, auth_mode), "install_command": install,
+                "run_id": info.get("run_id"),
                 "info": info, "model": info.get("task", {}).get("model", {}), "status": status, "now": time.time(),
                 "progress": min(status["epoch"] / total, 1.0) if total else 0.0}
         return templates.TemplateResponse(request, template, {**base, **context})

@@ -22,10 +22,13 @@ from pathlib import Path
 
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
+from crowdtrain import release
 from crowdtrain.coordinator.db import Store
+from crowdtrain.coordinator.notebooks import generate_notebook, join_notebook
+from crowdtrain.data.sample_prompts import load_run_prompts
 from crowdtrain.runspec.files import read_run_info, read_status
 from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
 from crowdtrain.runspec.tokens import CoordinatorKey, check_token_request, peer_id_of_key
@@ -53,6 +56,8 @@ class TokenRequest(BaseModel):
     timestamp: str = Field("", max_length=32, description="seconds since the epoch when the request was signed")
     signature: str = Field("", max_length=2048, description="base64 RSA-PSS (SHA-256) signature by public_key's "
                                                             "private key over the fields above")
+    protocol: int | None = Field(None, description="the peer's crowdtrain protocol (crowdtrain.release.PROTOCOL); "
+                                                   "another one than the coordinator's, or none, is refused (409)")
 
 
 class RateLimiter:
@@ -141,7 +146,7 @@ def run_status(run_dir: Path, store: Store) -> dict:
     live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live]
     losses = [p["loss"] for p in live]
     task = info.task if info is not None else {}
-    problems = [p for p in (info_problem, status_problem, _memorising(store)) if p]
+    problems = [p for p in (info_problem, status_problem, _memorising(store), turned_away(store.counters())) if p]
     failing = rounds_failing(status.rounds) if live else None
     if failing:
         problems.append(failing)
@@ -175,6 +180,25 @@ def rounds_failing(rounds: dict) -> str | None:
             "--client-mode, and at least one peer must accept connections), that no machine runs more volunteers "
             "than it has cores (give each `crowdtrain join --threads 1`), and on slow or distant links raise "
             "--swarm matchmaking_time_s (and averaging_timeout_s) when starting the coordinator.")
+
+
+def other_protocol_refusal(theirs, version, install: str) -> str:
+    """What a volunteer of another protocol is told: what runs here and the line that installs it."""
+    who = (f"this crowdtrain ({str(version)[:60]}, protocol {theirs})" if theirs is not None
+           else "this crowdtrain (from before protocol numbers)")
+    return (f"{who} cannot train with this run, which runs crowdtrain {release.full_version()} (protocol "
+            f"{release.PROTOCOL}). Install the coordinator's crowdtrain, then join again:\n\n    {install}\n")
+
+
+def turned_away(counters: dict) -> str | None:
+    """A problem line when volunteers were turned away for running another crowdtrain."""
+    joins, tokens = counters.get("joins_refused_protocol", 0), counters.get("tokens_refused_protocol", 0)
+    if not joins and not tokens:
+        return None
+    return (f"{joins} join attempt(s) and {tokens} token request(s) came from a crowdtrain of another protocol than "
+            f"this coordinator's (protocol {release.PROTOCOL}) and were refused; each was told the install line "
+            "on the join page. If volunteers keep arriving with an old version, post that line where they found "
+            "the run.")
 
 
 def _memorising(store: Store) -> str | None:
@@ -218,6 +242,12 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else run_dir / "checkpoints"
     auth = auth or AuthSettings(key_path=run_dir / "coordinator_key.pem")
     signing_key = CoordinatorKey.load_or_create(auth.key_path)
+    # The crowdtrain this process runs, as the wheel volunteers install (crowdtrain.release).
+    wheel = release.build_wheel(run_dir / "install")
+    install = release.install_line(public_url, wheel)
+    version_info = {"version": release.full_version(), "protocol": release.PROTOCOL, "build": release.build_id(),
+                    "install": install, "wheel": f"{public_url.rstrip('/')}/install/{wheel.filename}",
+                    "wheel_sha256": wheel.sha256}
     limiter = RateLimiter(auth.requests_per_minute)
     # /docs from files this process serves (crowdtrain.coordinator.api_docs): FastAPI's own loads
     # them from a CDN, a blank page offline. No ReDoc, which would too.
@@ -253,7 +283,40 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     # The memory calculator page, for volunteers sizing a GPU, with the way back to the run's pages.
     app.include_router(memcalc_router("/memcalc", nav=NAV, site=True, run=_memcalc_run(run_dir)))
     app.include_router(pages_router(run_dir=run_dir, store=store, public_url=public_url, auth_mode=auth.mode,
-                                   checkpoint_dir=checkpoint_dir))
+                                   checkpoint_dir=checkpoint_dir, install=install))
+
+    @app.get("/api/version", summary="The crowdtrain this coordinator runs: version, protocol, and the line that "
+                                     "installs it (its wheel, served here)")
+    def api_version() -> dict:
+        return version_info
+
+    def notebook(build, filename: str) -> Response:
+        run_id = (_read_json(run_dir / "run.json") or {}).get("run_id")
+        kwargs = {"auth_mode": auth.mode} if build is join_notebook else {}
+        body = json.dumps(build(public_url, run_id=run_id if isinstance(run_id, str) else None, **kwargs), indent=1)
+        return Response(body, media_type="application/x-ipynb+json",
+                        headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+
+    @app.get("/join.ipynb", summary="A notebook that installs this coordinator's crowdtrain and joins the run "
+                                    "(Colab, Kaggle, Jupyter)")
+    def join_ipynb():
+        return notebook(join_notebook, "join.ipynb")
+
+    @app.get("/generate.ipynb", summary="A notebook that draws the run's prompts from its latest checkpoint")
+    def generate_ipynb():
+        return notebook(generate_notebook, "generate.ipynb")
+
+    @app.get("/api/prompts", summary="The prompts the run draws sample images for: [{prompt, tag}]")
+    def api_prompts() -> list[dict]:
+        return [{"prompt": p.get("prompt"), "tag": p.get("tag")} for p in load_run_prompts(run_dir) or []
+                if isinstance(p, dict) and isinstance(p.get("prompt"), str)]
+
+    @app.head("/install/{filename}", include_in_schema=False)
+    @app.get("/install/{filename}", summary="This coordinator's crowdtrain as a wheel (see /api/version)")
+    def install_wheel(filename: str):
+        if filename != wheel.filename:
+            raise HTTPException(404, f"this coordinator serves {wheel.filename} only; install it with: {install}")
+        return FileResponse(wheel.path, media_type="application/zip")
 
     def join_info() -> dict:
         info = _read_json(run_dir / "run.json")
@@ -263,11 +326,19 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
 
     @app.get("/api/join", summary="Everything a volunteer needs to join, as data (on an allowlist run, the "
                                   "swarm's addresses only with `Authorization: Bearer KEY`)")
-    def api_join(request: Request, authorization: str | None = Header(None)) -> dict | list:
+    def api_join(request: Request, authorization: str | None = Header(None), protocol: int | None = None,
+                 version: str | None = None) -> dict | list:
+        """``protocol``, ``version``: the volunteer's crowdtrain (``crowdtrain join`` sends them first);
+        another protocol gets 409 with the line that installs this coordinator's."""
+        if protocol is not None and protocol != release.PROTOCOL:
+            store.bump("joins_refused_protocol")
+            return JSONResponse({"detail": other_protocol_refusal(protocol, version, install), "install": install,
+                                 "crowdtrain": version_info}, status_code=409)
         info = join_info()
         if not isinstance(info, dict):
             return info  # a broken run.json: volunteers refuse it, with the reason
         info = dict(info)
+        info["crowdtrain"] = {k: version_info[k] for k in ("version", "protocol", "install")}
         # Files are fetched by URL: the coordinator's own paths are nobody else's business.
         if isinstance(info.get("text_tokenizer"), dict):
             info["text_tokenizer"] = {k: v for k, v in info["text_tokenizer"].items() if k != "path"}
@@ -337,6 +408,12 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
         except ValueError as e:
             store.bump("token_requests_refused")
             raise HTTPException(403, str(e)) from e
+        if body.protocol != release.PROTOCOL:
+            # Without a token a peer of another protocol cannot enter the swarm: every peer refuses
+            # its DHT requests, averaging and state downloads (crowdtrain.swarm.auth), and the
+            # coordinator its metrics records.
+            store.bump("tokens_refused_protocol")
+            raise HTTPException(409, other_protocol_refusal(body.protocol, None, install))
         try:
             token = signing_key.issue(user, public_key, lifetime_s=auth.token_lifetime_s)
         except ValueError as e:

@@ -29,6 +29,8 @@ from cryptography import exceptions
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
+from crowdtrain.release import PROTOCOL
+
 _PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
 _HASH = hashes.SHA256()
 # A signed token request older (or further in the future) than this is refused, so a request
@@ -121,7 +123,7 @@ def token_request(public_key: bytes, user: str, sign: Callable[[bytes], bytes], 
     timestamp = f"{time.time() if now is None else now:.3f}"
     signature = sign(token_request_payload(public_key, user, timestamp))
     return {"public_key": public_key.decode(), "peer_id": peer_id_of_key(public_key), "user": user,
-            "timestamp": timestamp, "signature": signature.decode()}
+            "timestamp": timestamp, "signature": signature.decode(), "protocol": PROTOCOL}
 
 
 def check_token_request(public_key: bytes, user: str, timestamp: str, signature: str, *,

@@ -82,6 +82,50 @@ def _refused(error: BaseException) -> bool:
     return isinstance(getattr(error, "reason", error), ConnectionRefusedError)
 
 
+def _detail(error: urllib.error.HTTPError, limit: int = 2000) -> str:
+    """An error answer's ``detail`` (the coordinator says what is wrong there), else its text."""
+    text = error.read().decode(errors="replace")[:limit]
+    try:
+        detail = json.loads(text)["detail"]
+    except (ValueError, KeyError, TypeError):
+        return text
+    return detail if isinstance(detail, str) else json.dumps(detail)[:limit]
+
+
+def join_url(base: str) -> str:
+    """``/api/join`` with this crowdtrain's version and protocol: a coordinator of another protocol
+    answers 409 with the line that installs its own (crowdtrain.release)."""
+    from crowdtrain.release import this_crowdtrain
+
+    return f"{base}/api/join?{urllib.parse.urlencode(this_crowdtrain())}"
+
+
+def check_same_protocol(info: dict, base: str) -> None:
+    """Stop unless the coordinator said it runs this crowdtrain's protocol. A coordinator of another
+    protocol answers ``join_url`` with 409 itself; this catches one from before protocol numbers,
+    which ignores the question."""
+    from crowdtrain.release import PROTOCOL, full_version
+
+    if not isinstance(info, dict):
+        return  # not join information at all: check_join_info says what is wrong with it
+    theirs = info.get("crowdtrain")
+    protocol = theirs.get("protocol") if isinstance(theirs, dict) else None
+    install = theirs.get("install") if isinstance(theirs, dict) and isinstance(theirs.get("install"), str) else None
+    if protocol == PROTOCOL:
+        version = theirs.get("version")
+        if isinstance(version, str) and version != full_version():
+            logger.info("this crowdtrain (%s) is another build than the coordinator's (%s); both speak protocol %d, "
+                        "so it trains with the run. The coordinator's own: %s", full_version(), version[:60],
+                        PROTOCOL, (install or "")[:1000])
+        return
+    said = f"protocol {protocol!r}" if protocol is not None else "no protocol number (an older crowdtrain)"
+    fix = (f"Install the coordinator's crowdtrain, then join again:\n\n    {install[:1000]}\n" if install else
+           "Ask the organizer which crowdtrain the run uses (or to upgrade the coordinator), install it, and "
+           "join again.")
+    raise ValueError(f"the coordinator at {base} runs a crowdtrain of {said}; this one is {full_version()} "
+                     f"(protocol {PROTOCOL}) and cannot train with it. {fix}")
+
+
 def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, api_key: str | None = None) -> dict:
     """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``.
     ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its users).
@@ -100,7 +144,7 @@ def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, 
                 return json.loads(response.read())
         except urllib.error.HTTPError as e:
             if e.code < 500:
-                raise ValueError(f"{url} answered {e.code}: {e.read().decode(errors='replace')[:300]}") from e
+                raise ValueError(f"{url} answered {e.code}: {_detail(e)}") from e
             last = e  # 503 while the run starts: retry
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
             last = e
@@ -187,7 +231,10 @@ class _Stop:
 def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) -> dict:
     base = config.coordinator_url.rstrip("/")
     # First, before seconds of imports (hivemind, bitsandbytes): a wrong address is said at once.
-    info = fetch_json(f"{base}/api/join", api_key=config.api_key)
+    # Says which crowdtrain this is: a coordinator of another protocol answers with the line that
+    # installs its own, and this stops before any DHT or thread starts.
+    info = fetch_json(join_url(base), api_key=config.api_key)
+    check_same_protocol(info, base)
     from crowdtrain.swarm.schedule_watch import ScheduleWatch, check_not_finished, run_schedule
 
     check_not_finished(info, base)  # a finished run: nothing to train, say so at once

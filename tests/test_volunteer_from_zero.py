@@ -1,0 +1,178 @@
+"""A volunteer from zero, as one would do it: a fresh Python with pip, the install line a real
+coordinator shows, `crowdtrain join`; and the coordinator's two notebooks on a real Jupyter
+kernel (nbclient) in that same fresh environment.
+
+The environment gets torch first, as a notebook or GPU machine has it (the pinned CPU build here;
+an unpinned torch would pull GBs of CUDA packages), then only what the install line brings.
+Packages come from the machine's pip index and cache. The steps are the benchmark's
+(benchmarks/bench_volunteer_from_zero.py), so what is timed there is what is tested here.
+"""
+
+import importlib.util
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from crowdtrain.launch import LocalSwarm, get_json
+from crowdtrain.release import PROTOCOL
+
+pytestmark = pytest.mark.slow
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_volunteer_from_zero", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_volunteer_from_zero.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+# What joining must not install: the coordinator's web stack, database drivers, the browser
+# driver, plotting, and the CLIP re-ranker's transformers.
+NOT_FOR_VOLUNTEERS = {"fastapi", "uvicorn", "sqlalchemy", "psycopg", "playwright", "matplotlib", "transformers",
+                      "plotly", "psycopg-binary", "swagger-ui-py"}
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero")
+    # A run that goes on while the module runs; a checkpoint every 2 epochs for the drawing notebook.
+    swarm = LocalSwarm(tmp, data="shapes", swarm={"total_epochs": 100_000, "checkpoint_every_epochs": 2})
+    swarm.start_coordinator()
+    swarm.join("first", batch_size=8, max_epochs=100_000)
+    yield swarm
+    swarm.close()
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory, swarm):
+    """A virtual environment with pip and torch, then the coordinator's install line."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    timings = bench.fresh_python(venv, torch=bench.torch_requirement())
+    before = bench.installed(venv)
+    line = get_json(f"{swarm.url}/api/version")["install"]
+    timings["install_s"] = bench.run_install_line(venv, line)
+    return {"venv": venv, "before": before, "after": bench.installed(venv), "timings": timings, "line": line}
+
+
+def test_the_install_line_brings_the_coordinators_crowdtrain_keeps_torch_and_nothing_more(swarm, fresh):
+    after = fresh["after"]
+    version = get_json(f"{swarm.url}/api/version")["version"]
+    assert after["crowdtrain"] == version, "pip must install the coordinator's own build"
+    assert after["torch"] == fresh["before"]["torch"], "the installed torch (a notebook's CUDA build) must be kept"
+    assert {"hivemind", "bitsandbytes", "datasets"} <= set(after)
+    assert not NOT_FOR_VOLUNTEERS & set(after), f"joining does not need {NOT_FOR_VOLUNTEERS & set(after)}"
+    print("fresh volunteer set-up (s):", {k: round(v, 1) for k, v in fresh["timings"].items()})
+
+
+def test_a_fresh_volunteer_joins_and_is_credited(swarm, fresh, tmp_path):
+    summary = tmp_path / "summary.json"
+    seconds, proc = bench.join_until_first_step(fresh["venv"], swarm.url, user="fresh", log=tmp_path / "fresh.log",
+                                                extra=["--batch-size", "8", "--summary-file", str(summary)])
+    time.sleep(10)  # a few rounds with the swarm
+    assert bench.leave(proc) == 0, (tmp_path / "fresh.log").read_text()[-3000:]
+    result = json.loads(summary.read_text())
+    assert result["credited_samples"] > 0, result
+    board = {row["user"]: row["samples"] for row in get_json(f"{swarm.url}/api/leaderboard")}
+    assert board.get("fresh", 0) > 0, board
+    print(f"fresh volunteer: first step {seconds:.1f} s after `crowdtrain join`")
+
+
+def test_a_volunteer_of_another_protocol_stops_at_once_with_the_install_line(swarm, fresh, tmp_path):
+    before = get_json(f"{swarm.url}/api/counters").get("joins_refused_protocol", 0)
+    other = f"import sys, crowdtrain.release as r; r.PROTOCOL = {PROTOCOL + 1}; from crowdtrain.cli import main; " \
+            f"sys.exit(main(['join', '{swarm.url}']))"
+    start = time.monotonic()
+    done = subprocess.run([str(fresh["venv"] / "bin" / "python"), "-c", other], capture_output=True, text=True,
+                          timeout=120, env=bench._env(fresh["venv"]), cwd=fresh["venv"])
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert fresh["line"] in done.stderr, done.stderr
+    # Refused before the DHT: no p2p identity, no hivemind log line.
+    assert "identity" not in done.stderr and "hivemind" not in done.stderr, done.stderr
+    assert time.monotonic() - start < 60
+    assert get_json(f"{swarm.url}/api/counters")["joins_refused_protocol"] == before + 1
+    assert any("another protocol" in p for p in get_json(f"{swarm.url}/api/status")["problems"])
+
+
+def _kernel(fresh, tmp_path, monkeypatch) -> str:
+    """A Jupyter kernel running the fresh environment's Python (ipykernel installed into it, as a
+    notebook server has one)."""
+    bench._run([str(fresh["venv"] / "bin" / "python"), "-m", "pip", "install", "--quiet", "ipykernel"],
+               fresh["venv"], 600)
+    spec = tmp_path / "jupyter" / "kernels" / "fresh"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [str(fresh["venv"] / "bin" / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "fresh volunteer", "language": "python", "env": {"PYTHONPATH": ""}}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    return "fresh"
+
+
+def _notebook(swarm, path: str, settings: dict):
+    import nbformat
+
+    notebook = nbformat.reads(subprocess.run(["curl", "-sf", f"{swarm.url}{path}"], capture_output=True, text=True,
+                                             check=True).stdout, as_version=4)
+    cell = next(c for c in notebook.cells if c.cell_type == "code" and c.source.startswith("COORDINATOR"))
+    for name, value in settings.items():  # as a user edits the first cell
+        lines = [f"{name} = {value!r}" if line.startswith(f"{name} =") else line for line in cell.source.splitlines()]
+        cell.source = "\n".join(lines)
+    return notebook
+
+
+def _outputs(cell) -> str:
+    return "\n".join(o.get("text", "") or json.dumps(o.get("data", {})) for o in cell.outputs)
+
+
+def test_the_join_notebook_trains_on_a_real_kernel_and_leaves_cleanly_when_interrupted(swarm, fresh, tmp_path,
+                                                                                   monkeypatch):
+    from nbclient import NotebookClient
+
+    kernel = _kernel(fresh, tmp_path, monkeypatch)
+    notebook = _notebook(swarm, "/join.ipynb", {"USER": "notebook", "MINUTES": 4})
+    client = NotebookClient(notebook, kernel_name=kernel, timeout=400, allow_errors=False)
+    credited = threading.Event()
+
+    def interrupt_once_credited():
+        # As a volunteer stops the kernel: once the run counts this notebook's samples.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not credited.is_set():
+            board = {row["user"]: row["samples"] for row in get_json(f"{swarm.url}/api/leaderboard")}
+            if board.get("notebook", 0) > 0:
+                credited.set()
+                time.sleep(2)
+                client.km.interrupt_kernel()
+                return
+            time.sleep(1)
+
+    watcher = threading.Thread(target=interrupt_once_credited, daemon=True)
+    watcher.start()
+    client.execute(cwd=str(tmp_path))
+    watcher.join(5)
+    assert credited.is_set(), "the notebook's volunteer was never credited"
+    settings, install, device, train = [_outputs(c) for c in notebook.cells if c.cell_type == "code"]
+    assert f"the run's is {get_json(f'{swarm.url}/api/version')['version']}" in install
+    assert "cpu" in device.lower() and "batch size" in device.lower(), device
+    assert "leaving the run cleanly" in train and "exited with code 0" in train, train[-3000:]
+    contributed = [line for line in train.splitlines() if line.startswith("you contributed")]
+    assert contributed and int(contributed[0].split()[2]) > 0, train[-2000:]
+
+
+def test_the_generate_notebook_draws_the_runs_prompts_from_the_latest_checkpoint(swarm, fresh, tmp_path,
+                                                                               monkeypatch):
+    from nbclient import NotebookClient
+
+    deadline = time.monotonic() + 120
+    while not get_json(f"{swarm.url}/api/checkpoints") and time.monotonic() < deadline:
+        time.sleep(2)
+    kernel = _kernel(fresh, tmp_path, monkeypatch)
+    notebook = _notebook(swarm, "/generate.ipynb", {"SAMPLES": 2, "KEEP": 1})
+    NotebookClient(notebook, kernel_name=kernel, timeout=400, allow_errors=False).execute(cwd=str(tmp_path))
+    last = [c for c in notebook.cells if c.cell_type == "code"][-1]
+    assert any("image/png" in o.get("data", {}) for o in last.outputs), _outputs(last)[:2000]
+    prompts = [p["prompt"] for p in get_json(f"{swarm.url}/api/prompts")]
+    assert prompts and f"{len(prompts)} prompts" in _outputs(last)
+    from PIL import Image
+
+    grid = Image.open(tmp_path / "crowdtrain-samples.png")
+    assert grid.height >= len(prompts) * 16, grid.size  # a row per prompt
