@@ -68,8 +68,11 @@ def coordinator_args(*, run_id: str, preset: str, data: str, host: str, port: in
 
 def join_args(url: str, *, user: str, batch_size: int, host: str, threads: int = 1, max_epochs: int | None = None,
               simulated_step_s: float | None = None, summary_file: Path | None = None,
-              save_final: Path | None = None, extra=()) -> list[str]:
-    args = ["join", url, "--batch-size", str(batch_size), "--host", host, "--threads", str(threads), "--user", user]
+              save_final: Path | None = None, device: str = "cpu", extra=()) -> list[str]:
+    # The CPU unless asked (`join`'s own default is the GPU where torch sees one): the tests',
+    # benchmarks' and testbed's figures are CPU figures, on any machine.
+    args = ["join", url, "--batch-size", str(batch_size), "--host", host, "--threads", str(threads), "--user", user,
+            "--device", device]
     if max_epochs:
         args += ["--max-epochs", str(max_epochs)]
     if simulated_step_s is not None:

@@ -200,3 +200,25 @@ def test_a_failure_after_start_up_stops_the_hivemind_threads_and_exits(coordinat
         bootstrap.shutdown()
     assert out.returncode == 2, out.stderr[-3000:]
     assert error_lines(out) == ["crowdtrain join: error: Invalid learning rate: -1"], out.stderr[-3000:]
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_what_this_machine_cannot_train_ends_join_before_any_p2p_start_up(coordinator):
+    """`--batch-size auto` on too little memory, and fp16 where `--device auto` finds no GPU: one
+    line naming the fix, before the DHT starts (crowdtrain.swarm.machine)."""
+    coordinator.serve(good_info())
+    run = "from crowdtrain.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = join(coordinator.url, "--batch-size", "auto", code=(
+        "import sys; import crowdtrain.swarm.machine as m\n"
+        "m.free_memory = lambda device: (2**20, 'of available RAM')\n" + run))
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = error_lines(out)
+    assert len(lines) == 1 and "to train at batch size 1" in lines[0] and "smaller model" in lines[0] \
+        and f"{coordinator.url}/memcalc/" in lines[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "DHT" not in out.stderr, out.stderr[-3000:]
+    out = join(coordinator.url, "--device", "auto", "--precision", "fp16", code=(
+        "import sys; import torch; torch.cuda.is_available = lambda: False\n" + run))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert error_lines(out) == ["crowdtrain join: error: fp16 autocast needs a GPU; use --precision bf16 or fp32 "
+                                "on CPU"], out.stderr[-3000:]
+    assert "training on the CPU: " in out.stderr and "DHT" not in out.stderr, out.stderr[-3000:]

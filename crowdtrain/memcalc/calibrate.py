@@ -14,7 +14,8 @@ coefficients:
   once for 32-bit and once for 16-bit activations. The fit must be exact (residual < 1 byte)
   or it raises: a non-linear term means the formula needs a new feature.
 - Our own presets (``count_preset``): counted directly on the preset's geometry, one layer per
-  attention pattern, so they follow the code with nothing to fit.
+  attention pattern, so they follow the code with nothing to fit. Any other ``ModelConfig`` (a
+  run's tuned preset) is counted the same way on the meta device (``model_architecture``).
 
 ``python -m crowdtrain.memcalc.calibrate`` prints the fitted tables and rewrites
 ``crowdtrain/memcalc/presets.json`` (our presets' counts); the tests re-run both and compare
@@ -176,13 +177,18 @@ def count_params_meta(config) -> dict:
                                  + config.image_len * config.image_vocab_size}
 
 
-def count_preset(name: str) -> dict:
-    """Exact counts for one of our presets: parameters and saved activation bytes per sample."""
-    from crowdtrain.model.config import get_preset
+def count_model(config, *, device: str = "cpu") -> dict:
+    """Counts of ``DalleTransformer(config)`` in the form of a ``presets.json`` entry: parameters
+    and saved activation bytes per sample, per attention pattern and for the non-repeated part.
+
+    ``device="meta"`` counts without memory or arithmetic (about a second for the paper preset),
+    for a run's model that is no preset. Attention then takes torch's math path, which saves the
+    score matrix that the fused kernels of a real CPU or GPU do not: small models' layers come
+    out above the real count (the tiny preset's by 9%), the paper preset's as counted. An upper
+    bound is what a batch size that must fit needs."""
     from crowdtrain.model.transformer import DalleTransformer
 
-    config = get_preset(name)
-    out = {"preset": name, "width": config.width, "depth": config.depth, "heads": config.heads,
+    out = {"width": config.width, "depth": config.depth, "heads": config.heads,
            "seq_len": config.seq_len, "vocab_size": config.vocab_size, "text_len": config.text_len,
            "text_vocab_size": config.text_vocab_size, "image_len": config.image_len,
            "image_vocab_size": config.image_vocab_size, "share_ids": list(config.share_ids),
@@ -193,9 +199,10 @@ def count_preset(name: str) -> dict:
         """Bytes saved per sample: a batch of two less a batch of one, so what a forward saves once
         per batch (a factorised embedding's table, used by the logits) is not counted per sample."""
         torch.manual_seed(0)
-        model = DalleTransformer(cfg).to(dtype).train()
-        text = torch.randint(1, cfg.text_vocab_size, (2, cfg.text_len))
-        image = torch.randint(0, cfg.image_vocab_size, (2, cfg.image_len))
+        with torch.device(device):
+            model = DalleTransformer(cfg).to(dtype).train()
+            text = torch.randint(1, cfg.text_vocab_size, (2, cfg.text_len))
+            image = torch.randint(0, cfg.image_vocab_size, (2, cfg.image_len))
         one = saved_activation_bytes(model, lambda: model(text[:1], image[:1]).loss)
         return saved_activation_bytes(model, lambda: model(text, image).loss) - one
 
@@ -212,6 +219,28 @@ def count_preset(name: str) -> dict:
         # up to the pattern's cached mask; keep the largest.
         out["head_bytes"][str(nbytes)] = max(heads_seen)
     return out
+
+
+def count_preset(name: str) -> dict:
+    """Exact counts for one of our presets: parameters and saved activation bytes per sample."""
+    from crowdtrain.model.config import get_preset
+
+    return {"preset": name, **count_model(get_preset(name))}
+
+
+def model_architecture(config):
+    """The calculator's :class:`~crowdtrain.memcalc.architectures.Architecture` of a run's
+    ``ModelConfig``: its preset's checked-in counts when it is one (whatever its ``reversible``
+    and ``checkpointing``, which the estimate's options apply), else counted on the meta device.
+    Tuning a preset (another tokenizer's vocabulary, ``--model width=...``) makes it no preset."""
+    from crowdtrain.memcalc.architectures import OUR_PRESETS, get_architecture, ours
+    from crowdtrain.model.config import get_preset
+
+    for name in OUR_PRESETS:
+        preset = get_preset(name)
+        if dataclasses.replace(config, reversible=preset.reversible, checkpointing=preset.checkpointing) == preset:
+            return get_architecture(name)
+    return ours("run", count_model(config, device="meta"))
 
 
 def write_presets_json(names=("tiny", "demo", "paper"), path: Path = PRESETS_JSON) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -12,8 +14,14 @@ def register(subparsers) -> None:
                     "progress line per step: epoch, local loss, samples/s, samples contributed, peers in the last "
                     "averaging round.")
     p.add_argument("url", help="the coordinator's address, e.g. http://HOST:8000")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per local step (lower it if out of memory)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--batch-size", type=_batch_size, default="auto",
+                   help="samples per local step. auto (default): the largest power of two whose estimated memory "
+                        "(for this run's model, by the memory calculator) fits 85%% of the GPU's free memory, or of "
+                        "the available RAM on the CPU; at most 64 on a GPU and 16 on the CPU (and in DiLoCo mode), "
+                        "never above the swarm's target batch. Lower it if out of memory")
+    p.add_argument("--device", default="auto",
+                   help="auto (default: the GPU if torch sees one, else the CPU; the log says which and why), cpu, "
+                        "cuda or cuda:N")
     p.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (fp16 needs a GPU)")
     p.add_argument("--client-mode", action="store_true",
                    help="behind NAT or a firewall: only make outbound connections")
@@ -32,8 +40,9 @@ def register(subparsers) -> None:
                    help="pad each step's computation (not its waiting for peers) to at least this many seconds "
                         "(emulates a slower device)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core); with several volunteers on one machine give "
-                        "each cores / volunteers, e.g. --threads 1 for two on 2 cores (3-4x faster than the default)")
+                   help="torch CPU threads. Default: this machine's usable cores shared evenly among the volunteers "
+                        "running on it (each `crowdtrain join` registers under ~/.cache/crowdtrain/volunteers/), "
+                        "recounted every 30 s as volunteers come and go")
     p.add_argument("--data-outage-patience-s", type=float, default=600.0,
                    help="how long the run's data source (the coordinator's shards) may stay unreachable before "
                         "this peer gives up; meanwhile it retries with back-off and trains on rows already read")
@@ -45,6 +54,18 @@ def register(subparsers) -> None:
                    help="testing aid: make every K-th local gradient NaN, to check it is never sent; or send "
                         "crafted tensors in every averaging round (NAME: scale, sign_flip, noise, nan, bias, weight)")
     p.set_defaults(handler=_join)
+
+
+def _batch_size(value: str):
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer >= 1, got {value!r}")
+    return size
 
 
 def _join(args) -> int:

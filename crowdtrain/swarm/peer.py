@@ -9,6 +9,7 @@ from peers, streams its data and trains until stopped (Ctrl-C leaves cleanly).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -33,8 +34,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class VolunteerConfig:
     coordinator_url: str
-    batch_size: int = 16
-    device: str = "cpu"
+    # "auto": sized for the run's model from this device's free memory (crowdtrain.swarm.machine).
+    batch_size: int | str = "auto"
+    device: str = "auto"  # auto (CUDA if torch sees a device, else cpu), cpu, cuda or cuda:N
     client_mode: bool = False  # behind NAT: outbound connections only
     max_epochs: int | None = None  # leave once the swarm reaches this global epoch
     max_minutes: float | None = None
@@ -52,6 +54,8 @@ class VolunteerConfig:
     # "attack=NAME" sends crafted tensors in every averaging round (crowdtrain.swarm.attacks);
     # "slow-upload=S" holds every state this peer sends S seconds (crowdtrain.swarm.hivemind_seam.state.StateUploadLimit).
     fault: str | None = None
+    # None: a fair share of this machine's cores among the volunteers on it, registered under
+    # cache_dir/volunteers (crowdtrain.swarm.machine.TorchThreads).
     torch_threads: int | None = None
     # How long the run's data source (the coordinator's shards) may stay unreachable before this
     # peer gives up; meanwhile it retries and trains on rows already read (crowdtrain.data.config.StreamConfig).
@@ -62,8 +66,15 @@ class VolunteerConfig:
         if not self.coordinator_url.startswith(("http://", "https://")):
             raise ValueError(f"the coordinator address must be an http(s) URL such as http://HOST:8000, "
                              f"got {self.coordinator_url!r}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.batch_size != "auto" and not (type(self.batch_size) is int and self.batch_size >= 1):
+            raise ValueError(f"--batch-size must be auto or an integer >= 1, got {self.batch_size!r}")
+        if self.torch_threads is not None and not self.torch_threads >= 1:
+            raise ValueError(f"--threads must be >= 1, got {self.torch_threads}")
+        from crowdtrain.swarm.machine import check_device_name
+
+        check_device_name(self.device)
+        if self.precision not in ("fp32", "bf16", "fp16"):  # crowdtrain.train.local.PRECISIONS, without its imports
+            raise ValueError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if not self.data_outage_patience_s >= 0:
             raise ValueError(f"--data-outage-patience-s must be >= 0 seconds, got {self.data_outage_patience_s}")
         from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
@@ -250,13 +261,25 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     from crowdtrain.swarm.reconnect import BootstrapWatch
     from crowdtrain.train.local import autocast_context
     from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
+    from crowdtrain.swarm import machine
 
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
+    device_name, device_line = machine.resolve_device(config.device)
+    logger.info("%s", device_line)
     # All of it, before anything with threads starts (see crowdtrain.swarm.join_info).
-    checked = check_join_info(info, model_overrides=config.model_overrides, source=base, device=config.device)
+    checked = check_join_info(info, model_overrides=config.model_overrides, source=base, device=device_name)
     swarm, model_config = checked.swarm, checked.model
     check_fingerprint(info, model_config)
+    autocast_context(torch.device(device_name), config.precision)  # refuses a precision this device lacks
+    batch_size = config.batch_size
+    if batch_size == "auto":
+        memory, memory_name = machine.free_memory(device_name)
+        choice = machine.suggest_batch_size(model_config, swarm, device_type=torch.device(device_name).type,
+                                            memory_bytes=memory, memory_name=memory_name,
+                                            precision=config.precision, memcalc_url=f"{base}/memcalc/")
+        batch_size = choice.batch_size
+        logger.info("%s", choice.message)
+    config = copy.copy(config)  # as resolved, in the summary; the caller's stays as given
+    config.device, config.batch_size = device_name, batch_size
     from crowdtrain.optim import Schedule
 
     # The learning-rate schedule the optimizer reads at each step; `watch` keeps it the coordinator's.
@@ -273,8 +296,6 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
                      stream_config=StreamConfig(outage_patience_s=config.data_outage_patience_s))
 
     device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was given but torch sees no CUDA device; use --device cpu")
     stop_event = stop or threading.Event()
     validators, signer = swarm_metrics.make_validators(swarm.run_id)
     access = _Access(config, info, swarm.run_id)
@@ -290,6 +311,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         summary_extra["stopped_because"] = reason
         stop_event.set()
 
+    threads = machine.TorchThreads(config.torch_threads, Path(config.cache_dir).expanduser() / "volunteers")
+    threads.start()
     threads_before, dht = set(threading.enumerate()), None
     try:
         with children_ignore_sigint():
@@ -315,6 +338,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
                                         signer=signer, final_epoch=watch.final_epoch(config.max_epochs),
                                         schedule=schedule)
     except BaseException:
+        threads.leave()
         _abandon_start_up(dht, access, threads_before)
         raise
     if stop is None:
@@ -350,13 +374,14 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
         summary.update(joined_epoch=joined_epoch, state_load_s=time.perf_counter() - t_join)
         watch.start()
         _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
-                    swarm_metrics, all_finite, autocast_context, t_join, run_end=watch)
+                    swarm_metrics, all_finite, autocast_context, t_join, run_end=watch, threads=threads)
     except StateUnavailable as e:
         reason = (f"{e}: the run has ended or its peers are unreachable. Leaving; see {config.coordinator_url} "
                   "and join again if the run goes on")
         summary_extra["stopped_because"] = reason
         raise ValueError(reason) from e
     finally:
+        threads.leave()
         drop_exit_noise()
         # Finish the delayed optimizer step (local work), so what is saved is the state the swarm
         # agreed on, not one step behind; then say goodbye over the network, with a deadline:
@@ -523,7 +548,7 @@ def backward_checked(loss: torch.Tensor, model: torch.nn.Module, loss_scale: Los
 
 
 def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
-                swarm_metrics, all_finite, autocast_context, t_join, run_end=None) -> None:
+                swarm_metrics, all_finite, autocast_context, t_join, run_end=None, threads=None) -> None:
     batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
     start = time.perf_counter()
     contributed = steps = dropped = 0
@@ -548,6 +573,8 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
             break
         if config.max_minutes is not None and time.perf_counter() - start > 60 * config.max_minutes:
             break
+        if threads is not None:
+            threads.rebalance()  # volunteers that joined or left this machine move its share of the cores
         t_step = time.perf_counter()
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         with autocast_context(device, config.precision):
