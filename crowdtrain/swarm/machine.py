@@ -234,6 +234,36 @@ def suggest_batch_size(model, swarm, *, device_type: str, memory_bytes: int | No
     return BatchChoice(batch, cap, needs, budget, message)
 
 
+def choose_batch(model, swarm, *, device: str, batch_size, precision: str = "fp32",
+                 memcalc_url: str | None = None) -> tuple[int, str]:
+    """``batch_size`` as ``crowdtrain join`` will use it on ``device`` (``cpu`` or ``cuda:N``), and
+    the start-up line that says why: ``auto`` is :func:`suggest_batch_size` against the device's
+    free memory."""
+    if batch_size != AUTO:
+        return int(batch_size), f"batch size {batch_size} (--batch-size)"
+    memory, memory_name = free_memory(device)
+    choice = suggest_batch_size(model, swarm, device_type=device.split(":")[0], memory_bytes=memory,
+                                memory_name=memory_name, precision=precision, memcalc_url=memcalc_url)
+    return choice.batch_size, choice.message
+
+
+def describe_device_and_batch(coordinator: str, *, device: str = AUTO, batch_size=AUTO,
+                              precision: str = "fp32") -> str:
+    """The device and batch size ``crowdtrain join COORDINATOR`` would use here, as its start-up
+    lines say them (the join notebook shows them before it starts the peer)."""
+    from crowdtrain.swarm.join_info import check_join_info
+    from crowdtrain.swarm.peer import check_same_protocol, fetch_json, join_url
+
+    base = coordinator.rstrip("/")
+    info = fetch_json(join_url(base), patience_s=30)
+    check_same_protocol(info, base)
+    device_name, device_line = resolve_device(device)
+    checked = check_join_info(info, source=base, device=device_name)
+    _, batch_line = choose_batch(checked.model, checked.swarm, device=device_name, batch_size=batch_size,
+                                 precision=precision, memcalc_url=f"{base}/memcalc/")
+    return f"{device_line}\n{batch_line}"
+
+
 # ---- torch threads ----------------------------------------------------------------------------
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""

@@ -270,14 +270,10 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
     swarm, model_config = checked.swarm, checked.model
     check_fingerprint(info, model_config)
     autocast_context(torch.device(device_name), config.precision)  # refuses a precision this device lacks
-    batch_size = config.batch_size
-    if batch_size == "auto":
-        memory, memory_name = machine.free_memory(device_name)
-        choice = machine.suggest_batch_size(model_config, swarm, device_type=torch.device(device_name).type,
-                                            memory_bytes=memory, memory_name=memory_name,
-                                            precision=config.precision, memcalc_url=f"{base}/memcalc/")
-        batch_size = choice.batch_size
-        logger.info("%s", choice.message)
+    batch_size, batch_line = machine.choose_batch(model_config, swarm, device=device_name, batch_size=config.batch_size,
+                                                  precision=config.precision, memcalc_url=f"{base}/memcalc/")
+    if config.batch_size == machine.AUTO:
+        logger.info("%s", batch_line)
     config = copy.copy(config)  # as resolved, in the summary; the caller's stays as given
     config.device, config.batch_size = device_name, batch_size
     from crowdtrain.optim import Schedule
