@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from crowdtrain.launch import get_json
 from crowdtrain.model import get_preset
 from crowdtrain.swarm.metrics import Ledger
 from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
@@ -238,7 +239,9 @@ def test_a_peer_with_a_different_model_is_refused(swarm_factory):
     result = subprocess.run([sys.executable, "-m", "crowdtrain.cli", "join", swarm.url, "--model", "width=32",
                              "--model", "head_dim=8"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "differs from the run's" in result.stderr and "Install the crowdtrain version" in result.stderr
+    assert "differs from the run's" in result.stderr and "Install the crowdtrain the coordinator runs" in result.stderr
+    install = get_json(f"{swarm.url}/api/version")["install"]
+    assert install in result.stderr, "the refusal gives the line that installs the coordinator's crowdtrain"
 
 
 def test_a_round_credits_the_peers_weight_only_when_its_gradients_went_into_a_step():

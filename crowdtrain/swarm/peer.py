@@ -194,10 +194,13 @@ def check_fingerprint(info: dict, model_config) -> None:
 
     mine = architecture_fingerprint(model_config)
     if mine != info["fingerprint"]:
+        theirs = info.get("crowdtrain")
+        install = theirs.get("install") if isinstance(theirs, dict) else None
+        how = f":\n\n    {install[:1000]}\n\n" if isinstance(install, str) else " "
         raise ValueError(
             f"this peer's model (fingerprint {mine}) differs from the run's ({info['fingerprint']}): "
-            "its crowdtrain builds different weights for this run's config. Install the crowdtrain "
-            "version the coordinator runs (and drop any model overrides), then join again")
+            f"its crowdtrain builds different weights for this run's config. Install the crowdtrain the "
+            f"coordinator runs{how}(and drop any model overrides), then join again")
 
 
 @contextlib.contextmanager

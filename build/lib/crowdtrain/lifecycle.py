@@ -1,0 +1,85 @@
+"""Every process of a run ends with the process that started it.
+
+A run is a tree of processes: the coordinator starts the auxiliary peer; a volunteer and the
+auxiliary peer fork hivemind's DHT and averagers, which exec p2p daemons. A stop that reaches
+only the top (``kill``, ``systemctl stop``, ``docker stop``, a closed terminal, or the OOM killer)
+must not leave the rest running: an orphaned auxiliary peer keeps the run's DHT port and identity,
+so a restarted coordinator cannot start, and orphaned averagers keep answering for a peer that left.
+
+Two mechanisms, both Linux's (elsewhere they do nothing and a stop relies on the clean path):
+
+- the clean path: SIGTERM and SIGHUP end a process the way Ctrl-C does (``exit_on_signals``),
+  so its ``finally`` blocks stop what it started;
+- the hard path: ``PR_SET_PDEATHSIG`` makes the kernel send SIGTERM to a child when the thread
+  that forked it dies, even by SIGKILL (``die_with_parent`` for ``subprocess``,
+  ``forks_die_with_this_process`` for ``multiprocessing``'s forks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+_PR_SET_PDEATHSIG = 1
+_forked_from_main_thread = False
+
+
+def die_with_parent() -> None:
+    """In a child (``preexec_fn``, or its own first line): get SIGTERM when the parent thread dies.
+
+    The setting survives ``exec``. The thread that forked the child must live as long as the
+    child should: fork from the main thread or from a thread that outlives the child."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _before_fork() -> None:
+    global _forked_from_main_thread
+    _forked_from_main_thread = threading.current_thread() is threading.main_thread()
+
+
+def _after_fork_in_child() -> None:
+    # A child forked from a short-lived helper thread would be killed when that thread ends, so
+    # only forks of the main thread (hivemind starts its DHT and averagers there) get the signal.
+    if _forked_from_main_thread:
+        die_with_parent()
+
+
+def forks_die_with_this_process() -> None:
+    """From now on, every ``os.fork`` of this process's main thread (``multiprocessing`` with the
+    fork start method: hivemind's DHT and averagers) gets SIGTERM when this process dies.
+    The p2p daemons those children exec are ended by them on SIGTERM; after a SIGKILL of a
+    child itself its daemon may stay (``crowdtrain coordinator`` ends an old run's leftovers)."""
+    if sys.platform == "linux":
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+def raise_system_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _hangup_as_terminate(signum, frame):
+    signal.raise_signal(signal.SIGTERM)
+
+
+def hangup_as_terminate() -> None:
+    """SIGHUP (the terminal closed, ``systemctl reload`` without a reload command) does what
+    SIGTERM does in this process at the moment it arrives, whoever handles SIGTERM then (uvicorn
+    while it serves, a volunteer's clean leave). Python's default is to die at once."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, _hangup_as_terminate)
+
+
+def exit_on_signals() -> None:
+    """SIGTERM raises ``SystemExit`` in the main thread, as SIGINT raises ``KeyboardInterrupt``,
+    and SIGHUP does the same: the ``finally`` blocks that stop child processes then run. Python's
+    default for both is to die at once, leaving the children running. Only the main thread can
+    set handlers: elsewhere (a test running a coordinator in a thread) this does nothing."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_system_exit)
+        hangup_as_terminate()

@@ -1,0 +1,81 @@
+"""Third-party log lines that a run's user cannot act on, dropped where they are made.
+
+A volunteer reads its log to see whether it is training; a warning there should mean something
+to do. Each entry names the line and why it is noise for crowdtrain. Filters sit on the library's
+own logger, so they hold in the processes hivemind forks from this one (its DHT and averagers).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+NOISE: dict[str, tuple[str, ...]] = {
+    # bitsandbytes looks for an optional package of 4-bit CPU matmul kernels at import; crowdtrain
+    # uses only its 8-bit optimizer states, which need none ("pip install kernels" fixes nothing).
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+    # A peer schedules its next round's matchmaking ahead, while the last one may still be looking
+    # for a group (a peer alone, or early in a run): hivemind queues it, by design.
+    "hivemind.averaging.matchmaking": ("Another look_for_group is already in progress",),
+    # A DHT request whose sender is exiting: the request's reply channel is passed through the
+    # sender's resource-sharing socket, which is gone, so the DHT process cannot read it. Only
+    # a leaving peer sends one (its last metrics or token refresh racing its shutdown).
+    "hivemind.dht.dht": ("[Errno 2] No such file or directory",),
+}
+
+
+class _DropPrefixes(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+class _DropLostStreamHandlers(logging.Filter):
+    """asyncio's reports about hivemind's p2p stream handlers whose connection to the p2p daemon
+    closed while they waited (a groupmate cancelled its stream, or left). CPython 3.11's
+    StreamReaderProtocol drops its reference to the handler's task when the connection is lost, so
+    a handler still waiting is garbage-collected ("Task was destroyed but it is pending!"), and its
+    torn-down coroutine then fails twice more in the same way. The averaging round already treats
+    the lost stream as a failed sender; nothing in these lines is for the volunteer to act on.
+    Reports about any other task are kept."""
+
+    SYMPTOMS = (("Task was destroyed but it is pending", None),
+                ("Unhandled exception in client_connected_cb", "cannot reuse already awaited coroutine"),
+                ("Task exception was never retrieved", "aclose(): asynchronous generator is already running"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        error = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
+        for prefix, cause in self.SYMPTOMS:
+            if text.startswith(prefix):
+                if cause is None:
+                    return "hivemind/p2p/" not in text
+                return cause not in error and cause not in text
+        return True
+
+
+def drop_exit_noise() -> None:
+    """Call when a process has shut down what it started and is about to exit: asyncio then
+    reports each task of hivemind's background event loops that the interpreter's exit destroys
+    ("Task was destroyed but it is pending!"), which is the exit itself, not a fault."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
+        logger.addFilter(_DropPrefixes(("Task was destroyed but it is pending",)))
+
+
+def drop_known_noise() -> None:
+    """Install the filters (once per process; repeated calls add nothing)."""
+    for name, prefixes in NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
+            logger.addFilter(_DropPrefixes(prefixes))
+    asyncio = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropLostStreamHandlers) for f in asyncio.filters):
+        asyncio.addFilter(_DropLostStreamHandlers())
+    # hivemind's state averager builds the learning-rate schedule's first value by stepping the
+    # scheduler before any optimizer step; torch warns that this skips the first value, which is
+    # what hivemind intends (its epochs count from the swarm's, not from this process's steps).
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")

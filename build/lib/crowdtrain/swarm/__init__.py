@@ -1,0 +1,1 @@
+"""Everything that talks to hivemind: the swarm optimizer, volunteers, the auxiliary peer."""

@@ -1,0 +1,63 @@
+"""hivemind's p2p, RPC and wire internals that crowdtrain's auth, reconnection and codec use.
+
+Each function is an entry of ``crowdtrain.swarm.hivemind_seam.SEAMS`` (upstream code, why,
+canary test).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from hivemind.compression import serialization
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.crypto import RSAPrivateKey
+
+logger = logging.getLogger(__name__)
+
+
+def rsa_key_from_der(der: bytes) -> RSAPrivateKey:
+    """hivemind's RSA key from DER bytes (a libp2p identity file's key), through its unpickling path."""
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})
+    return key
+
+
+def current_token(authorizer: TokenAuthorizerBase) -> AccessToken | None:
+    """The access token an authorizer holds now (None before the first), without asking for a new one."""
+    return authorizer._local_access_token
+
+
+async def dial(p2p, peer_id, transports) -> None:
+    """Make the p2p daemon connect to ``peer_id`` at ``transports`` (multiaddrs without /p2p/ID).
+    hivemind has no public call for this; its own bootstrap passes addresses at start only."""
+    await p2p._client.connect(peer_id, transports)
+
+
+def with_wrapped_handlers(servicer_cls: type, make_wrapper: Callable, **attributes) -> type:
+    """A subclass of a hivemind servicer (an averager) whose RPC handlers are registered through
+    ``make_wrapper(servicer, handlers)``: an object with one coroutine per handler name, each
+    called instead of the servicer's (``handlers``: hivemind's RPC handler records, with
+    ``method_name`` and ``stream_output``). The class keeps its name: hivemind derives RPC
+    protocol names from it, and peers must speak the same."""
+
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False):
+        self._collect_rpc_handlers()
+        await servicer_cls.add_p2p_handlers(self, p2p, make_wrapper(self, self._rpc_handlers),
+                                            namespace=namespace, balanced=balanced)
+
+    return type(servicer_cls.__name__, (servicer_cls,), {"add_p2p_handlers": add_p2p_handlers,
+                                                          "__module__": servicer_cls.__module__, **attributes})
+
+
+def replace_decoder(compression_type: str, codec, *, replaces: tuple[type, ...]) -> bool:
+    """Make hivemind decode messages of ``compression_type`` (e.g. "UNIFORM_8BIT") with ``codec``.
+    hivemind looks decoders up by the message's compression type in a module table; if a release
+    renames the table or the entry is not one of ``replaces``, hivemind's own decoder stays in
+    place and this returns False."""
+    table = getattr(serialization, "_BASE_COMPRESSION_TYPES", None)
+    if not isinstance(table, dict) or type(table.get(compression_type)) not in replaces:
+        return False
+    table[compression_type] = codec
+    return True

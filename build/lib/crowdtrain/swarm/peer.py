@@ -1,0 +1,641 @@
+"""A volunteer peer: join a run from its coordinator's URL and train with the swarm.
+
+The coordinator hands out the run as data (``GET /api/join``): run id, task (model config and
+data location), its architecture fingerprint, swarm settings and initial DHT peers. The peer
+refuses to start if its own code would build a different model, downloads the current state
+from peers, streams its data and trains until stopped (Ctrl-C leaves cleanly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from crowdtrain.optim.loss_scale import LossScale
+from crowdtrain.swarm.rounds import RoundSummary
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VolunteerConfig:
+    coordinator_url: str
+    # "auto": sized for the run's model from this device's free memory (crowdtrain.swarm.machine).
+    batch_size: int | str = "auto"
+    device: str = "auto"  # auto (CUDA if torch sees a device, else cpu), cpu, cuda or cuda:N
+    client_mode: bool = False  # behind NAT: outbound connections only
+    max_epochs: int | None = None  # leave once the swarm reaches this global epoch
+    max_minutes: float | None = None
+    host: str = "0.0.0.0"  # where to listen for other peers (ignored in client mode)
+    simulated_step_s: float = 0.0  # pad each step's computation to at least this long (emulate a slower device)
+    precision: str = "fp32"
+    user: str = "anonymous"
+    api_key: str | None = None  # for allowlist runs: `crowdtrain users add NAME` prints it
+    identity: str | None = None  # private key file of this peer (default: a fresh one, deleted on exit)
+    cache_dir: str = "~/.cache/crowdtrain"
+    summary_file: str | None = None  # write a JSON summary here when leaving
+    save_final: str | None = None  # write the final parameters (safetensors) here when leaving
+    model_overrides: dict = field(default_factory=dict)  # only to test refusal of a different model
+    # Fault injection for tests: "nan-every=K" makes every K-th local loss NaN (its gradients too);
+    # "attack=NAME" sends crafted tensors in every averaging round (crowdtrain.swarm.attacks);
+    # "slow-upload=S" holds every state this peer sends S seconds (crowdtrain.swarm.hivemind_seam.state.StateUploadLimit).
+    fault: str | None = None
+    # None: a fair share of this machine's cores among the volunteers on it, registered under
+    # cache_dir/volunteers (crowdtrain.swarm.machine.TorchThreads).
+    torch_threads: int | None = None
+    # How long the run's data source (the coordinator's shards) may stay unreachable before this
+    # peer gives up; meanwhile it retries and trains on rows already read (crowdtrain.data.config.StreamConfig).
+    data_outage_patience_s: float = 600.0
+    verbose: bool = False
+
+    def __post_init__(self):
+        if not self.coordinator_url.startswith(("http://", "https://")):
+            raise ValueError(f"the coordinator address must be an http(s) URL such as http://HOST:8000, "
+                             f"got {self.coordinator_url!r}")
+        if self.batch_size != "auto" and not (type(self.batch_size) is int and self.batch_size >= 1):
+            raise ValueError(f"--batch-size must be auto or an integer >= 1, got {self.batch_size!r}")
+        if self.torch_threads is not None and not self.torch_threads >= 1:
+            raise ValueError(f"--threads must be >= 1, got {self.torch_threads}")
+        from crowdtrain.swarm.machine import check_device_name
+
+        check_device_name(self.device)
+        if self.precision not in ("fp32", "bf16", "fp16"):  # crowdtrain.train.local.PRECISIONS, without its imports
+            raise ValueError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if not self.data_outage_patience_s >= 0:
+            raise ValueError(f"--data-outage-patience-s must be >= 0 seconds, got {self.data_outage_patience_s}")
+        from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
+
+        if not valid_user_name(self.user) or self.user == "coordinator":  # the coordinator refuses it too
+            raise ValueError(f"--user must be {USER_NAME_RULE} (and not 'coordinator'), got {self.user!r}")
+        from crowdtrain.swarm.attacks import parse_fault
+
+        parse_fault(self.fault)
+        if self.client_mode and self.host not in ("0.0.0.0", "127.0.0.1"):
+            logger.warning("--host is ignored in --client-mode: client peers accept no connections")
+
+
+def _refused(error: BaseException) -> bool:
+    """Connection refused: the host answered, and nothing listens on that port."""
+    return isinstance(getattr(error, "reason", error), ConnectionRefusedError)
+
+
+def _detail(error: urllib.error.HTTPError, limit: int = 2000) -> str:
+    """An error answer's ``detail`` (the coordinator says what is wrong there), else its text."""
+    text = error.read().decode(errors="replace")[:limit]
+    try:
+        detail = json.loads(text)["detail"]
+    except (ValueError, KeyError, TypeError):
+        return text
+    return detail if isinstance(detail, str) else json.dumps(detail)[:limit]
+
+
+def join_url(base: str) -> str:
+    """``/api/join`` with this crowdtrain's version and protocol: a coordinator of another protocol
+    answers 409 with the line that installs its own (crowdtrain.release)."""
+    from crowdtrain.release import this_crowdtrain
+
+    return f"{base}/api/join?{urllib.parse.urlencode(this_crowdtrain())}"
+
+
+def check_same_protocol(info: dict, base: str) -> None:
+    """Stop unless the coordinator said it runs this crowdtrain's protocol. A coordinator of another
+    protocol answers ``join_url`` with 409 itself; this catches one from before protocol numbers,
+    which ignores the question."""
+    from crowdtrain.release import PROTOCOL, full_version
+
+    if not isinstance(info, dict):
+        return  # not join information at all: check_join_info says what is wrong with it
+    theirs = info.get("crowdtrain")
+    protocol = theirs.get("protocol") if isinstance(theirs, dict) else None
+    install = theirs.get("install") if isinstance(theirs, dict) and isinstance(theirs.get("install"), str) else None
+    if protocol == PROTOCOL:
+        version = theirs.get("version")
+        if isinstance(version, str) and version != full_version():
+            logger.info("this crowdtrain (%s) is another build than the coordinator's (%s); both speak protocol %d, "
+                        "so it trains with the run. The coordinator's own: %s", full_version(), version[:60],
+                        PROTOCOL, (install or "")[:1000])
+        return
+    said = f"protocol {protocol!r}" if protocol is not None else "no protocol number (an older crowdtrain)"
+    fix = (f"Install the coordinator's crowdtrain, then join again:\n\n    {install[:1000]}\n" if install else
+           "Ask the organizer which crowdtrain the run uses (or to upgrade the coordinator), install it, and "
+           "join again.")
+    raise ValueError(f"the coordinator at {base} runs a crowdtrain of {said}; this one is {full_version()} "
+                     f"(protocol {PROTOCOL}) and cannot train with it. {fix}")
+
+
+def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, api_key: str | None = None) -> dict:
+    """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``.
+    ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its users).
+
+    A refused first connection is most often a wrong address (a typo'd port), so that is said at
+    once, before the retries that wait for a coordinator that is still starting."""
+    deadline = time.monotonic() + patience_s
+    delay, last = 1.0, None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    where = urllib.parse.urlsplit(url)
+    address = f"{where.hostname}:{where.port or (443 if where.scheme == 'https' else 80)}"
+    first = True
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                raise ValueError(f"{url} answered {e.code}: {_detail(e)}") from e
+            last = e  # 503 while the run starts: retry
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            last = e
+            if first and _refused(e):
+                logger.warning("no coordinator is listening at %s: check the address you gave `crowdtrain join` "
+                               "(host and port, as the organizer's join page shows it). Retrying for %.0f s in "
+                               "case it is still starting", address, patience_s)
+        first = False
+        if time.monotonic() + delay > deadline:
+            hint = (f"nothing listens at {address}: check the address (host and port)" if _refused(last)
+                    else "check the address and that it is running")
+            raise ValueError(f"cannot reach the coordinator at {url} ({last}); {hint}")
+        logger.warning("coordinator not answering (%s); retrying in %.0fs", last, delay)
+        time.sleep(delay)
+        delay = min(2 * delay, 10.0)
+
+
+def download_asset(url: str, sha256: str, cache_dir: Path) -> Path:
+    """Fetch a file the run needs (the text tokenizer) into the cache, verified by hash."""
+    path = cache_dir / f"{sha256}-{url.rsplit('/', 1)[-1]}"
+    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == sha256:
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with urllib.request.urlopen(url, timeout=60) as response:
+        data = response.read()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{url} does not match the hash the coordinator announced; refusing to use it")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return path
+
+
+def check_fingerprint(info: dict, model_config) -> None:
+    from crowdtrain.model.info import architecture_fingerprint
+
+    mine = architecture_fingerprint(model_config)
+    if mine != info["fingerprint"]:
+        theirs = info.get("crowdtrain")
+        install = theirs.get("install") if isinstance(theirs, dict) else None
+        how = f":\n\n    {install[:1000]}\n\n" if isinstance(install, str) else " "
+        raise ValueError(
+            f"this peer's model (fingerprint {mine}) differs from the run's ({info['fingerprint']}): "
+            f"its crowdtrain builds different weights for this run's config. Install the crowdtrain the "
+            f"coordinator runs{how}(and drop any model overrides), then join again")
+
+
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Processes started inside (hivemind's DHT and averagers, and the p2p daemon they exec)
+    start with SIGINT blocked; the mask survives fork and exec. Ctrl-C in a terminal signals the
+    whole process group, so without this the daemon would die first and the peer could not
+    leave the swarm cleanly; with it, only this process hears Ctrl-C and shuts them down."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM/SIGHUP: the loop finishes its step and leaves cleanly."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+        self.owner = os.getpid()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            try:
+                signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (tests call run_volunteer in a thread)
+                pass
+
+    def _handle(self, signum, frame):
+        if os.getpid() != self.owner:
+            # A forked hivemind process inherited this handler. Ctrl-C reaches the whole process
+            # group: children ignore it and are shut down by the parent; SIGTERM ends them.
+            if signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        logger.info("leaving the swarm after this step (press Ctrl-C again to quit at once)")
+        self.event.set()
+
+
+def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) -> dict:
+    base = config.coordinator_url.rstrip("/")
+    # First, before seconds of imports (hivemind, bitsandbytes): a wrong address is said at once.
+    # Says which crowdtrain this is: a coordinator of another protocol answers with the line that
+    # installs its own, and this stops before any DHT or thread starts.
+    info = fetch_json(join_url(base), api_key=config.api_key)
+    check_same_protocol(info, base)
+    from crowdtrain.swarm.schedule_watch import ScheduleWatch, check_not_finished, run_schedule
+
+    check_not_finished(info, base)  # a finished run: nothing to train, say so at once
+
+    import hivemind
+
+    from crowdtrain.swarm import metrics as swarm_metrics
+    from crowdtrain.swarm.attacks import attack_from_fault, upload_delay_from_fault
+    from crowdtrain.swarm.join_info import check_join_info
+    from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
+    from crowdtrain.swarm.rounds import swarm_at_start, swarm_epoch_now
+    from crowdtrain.noise import drop_exit_noise
+    from crowdtrain.swarm.reconnect import BootstrapWatch
+    from crowdtrain.train.local import autocast_context
+    from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
+    from crowdtrain.swarm import machine
+
+    device_name, device_line = machine.resolve_device(config.device)
+    logger.info("%s", device_line)
+    # All of it, before anything with threads starts (see crowdtrain.swarm.join_info).
+    checked = check_join_info(info, model_overrides=config.model_overrides, source=base, device=device_name)
+    swarm, model_config = checked.swarm, checked.model
+    check_fingerprint(info, model_config)
+    autocast_context(torch.device(device_name), config.precision)  # refuses a precision this device lacks
+    batch_size, batch_line = machine.choose_batch(model_config, swarm, device=device_name, batch_size=config.batch_size,
+                                                  precision=config.precision, memcalc_url=f"{base}/memcalc/")
+    if config.batch_size == machine.AUTO:
+        logger.info("%s", batch_line)
+    config = copy.copy(config)  # as resolved, in the summary; the caller's stays as given
+    config.device, config.batch_size = device_name, batch_size
+    from crowdtrain.optim import Schedule
+
+    # The learning-rate schedule the optimizer reads at each step; `watch` keeps it the coordinator's.
+    joined_schedule = run_schedule(info, swarm)
+    schedule = Schedule(warmup_epochs=joined_schedule.warmup_epochs, total_epochs=joined_schedule.total_epochs)
+    watch = ScheduleWatch(base, info, schedule, api_key=config.api_key)
+    tokenizer = None
+    if info.get("text_tokenizer"):
+        tokenizer = download_asset(info["text_tokenizer"]["url"], info["text_tokenizer"]["sha256"],
+                                   Path(config.cache_dir).expanduser())
+    from crowdtrain.data.config import StreamConfig
+
+    task = DalleTask(model_config, data=info["task"]["data"], text_tokenizer=tokenizer,
+                     stream_config=StreamConfig(outage_patience_s=config.data_outage_patience_s))
+
+    device = torch.device(config.device)
+    stop_event = stop or threading.Event()
+    validators, signer = swarm_metrics.make_validators(swarm.run_id)
+    access = _Access(config, info, swarm.run_id)
+    if not info["initial_peers"]:
+        access.close()
+        raise ValueError(f"{base}/api/join lists no peer to join through" + (
+            " for this API key" if config.api_key else "") + ": the run may be restarting; try again in a minute")
+    # The identity vouches for the key that signs this peer's metrics (the coordinator drops records without).
+    endorsement = swarm_metrics.endorsement(access.key, swarm.run_id, signer) if access.key is not None else {}
+    summary_extra = {}
+
+    def denied(reason: str) -> None:
+        summary_extra["stopped_because"] = reason
+        stop_event.set()
+
+    threads = machine.TorchThreads(config.torch_threads, Path(config.cache_dir).expanduser() / "volunteers")
+    threads.start()
+    threads_before, dht = set(threading.enumerate()), None
+    try:
+        with children_ignore_sigint():
+            dht = hivemind.DHT(initial_peers=info["initial_peers"], client_mode=config.client_mode,
+                               host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True,
+                               **access.dht_kwargs())
+        peer_id = str(dht.peer_id)
+        access.start_keeper(dht, signer, on_denied=denied)
+        bootstrap_watch = BootstrapWatch(dht, info["initial_peers"])
+        bootstrap_watch.start()
+        user = access.user or config.user
+        maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]
+        initial = info.get("initial_model")  # the run's seeded initial model, while it has not moved on
+        model = build_initial_model(task, int(initial["seed"])) if initial else task.build_model()
+        # Compared as built, on the CPU, before the optimizer's initializing step (as the coordinator does).
+        same_start = initial is not None and model_digest(model) == initial["digest"]
+        model = model.to(device)
+        with children_ignore_sigint():
+            optimizer = build_optimizer(dht, model, swarm, batch_size=config.batch_size,
+                                        client_mode=config.client_mode, verbose=config.verbose,
+                                        access_guard=access.guard, attack=attack_from_fault(config.fault),
+                                        upload_delay_s=upload_delay_from_fault(config.fault),
+                                        signer=signer, final_epoch=watch.final_epoch(config.max_epochs),
+                                        schedule=schedule)
+    except BaseException:
+        threads.leave()
+        _abandon_start_up(dht, access, threads_before)
+        raise
+    if stop is None:
+        # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
+        # when they start (and never restore it), which would make Ctrl-C do nothing.
+        _Stop(stop_event)
+    summary = {"peer_id": peer_id, "user": user, "config": asdict(config), "fingerprint": info["fingerprint"],
+               "maddrs": maddrs,
+               "epochs": [], "rounds": []}
+    try:
+        t_join = time.perf_counter()
+        state_keeper = optimizer.state_averager
+        if initial is not None and not same_start:
+            logger.info("this peer's initial model differs from the run's (another torch version?); "
+                        "downloading the state")
+        if same_start and swarm_at_start(optimizer.tracker, state_keeper):
+            # Nobody has stepped yet and our model is the run's initial one, bit for bit.
+            logger.info("the swarm has not taken a step yet and this peer built the run's initial model "
+                        "(digest %s): nothing to download", initial["digest"])
+            summary_extra["state_download_skipped"] = True
+        else:
+            optimizer.load_state_from_peers()
+            # The donors of the newest state may all be busy serving other newcomers (they send a
+            # few states at a time, crowdtrain.swarm.hivemind_seam.state.StateUploadLimit): wait for a free one.
+            give_up = time.monotonic() + swarm.load_state_give_up_s
+            while ((state_keeper.states_loaded.value == 0
+                    or optimizer.local_epoch < swarm_epoch_now(optimizer.tracker) - 1)
+                   and not stop_event.is_set() and time.monotonic() < give_up):
+                optimizer.load_state_from_peers()
+        joined_epoch = optimizer.local_epoch
+        logger.info("peer %s joined run %s at epoch %d (state loaded in %.1fs)", peer_id[-8:], swarm.run_id,
+                    joined_epoch, time.perf_counter() - t_join)
+        summary.update(joined_epoch=joined_epoch, state_load_s=time.perf_counter() - t_join)
+        watch.start()
+        _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
+                    swarm_metrics, all_finite, autocast_context, t_join, run_end=watch, threads=threads)
+    except StateUnavailable as e:
+        reason = (f"{e}: the run has ended or its peers are unreachable. Leaving; see {config.coordinator_url} "
+                  "and join again if the run goes on")
+        summary_extra["stopped_because"] = reason
+        raise ValueError(reason) from e
+    finally:
+        threads.leave()
+        drop_exit_noise()
+        # Finish the delayed optimizer step (local work), so what is saved is the state the swarm
+        # agreed on, not one step behind; then say goodbye over the network, with a deadline:
+        # after Ctrl-C in a terminal the p2p daemon has already exited and cannot answer.
+        _bounded(optimizer.finish_pending_updates, 60, "the last optimizer step")
+        watch.stop()
+        if summary.get("run_finished"):
+            # Serve the final state a little longer: the coordinator checkpoints it from the peers still here.
+            _bounded(lambda: watch.wait_for_final_checkpoint(optimizer.local_epoch), 75, "waiting for the final model")
+        last_record = summary.pop("_last_record", None)
+        if last_record is not None:
+            # The rounds finished since the last record are credited only if the coordinator
+            # hears of them: say so before leaving (the record outlives us in the DHT for a minute;
+            # the leaving record tells the coordinator to count this peer as gone at once).
+            final = swarm_metrics.PeerMetrics(**{**last_record, **optimizer.ledger.record_fields(),
+                                                 "epoch": optimizer.local_epoch, "time": time.time()})
+            def publish_final():
+                try:
+                    swarm_metrics.publish(dht, swarm.run_id, signer, final).result()
+                    swarm_metrics.publish_round_counts(dht, swarm.run_id, signer,
+                                                       optimizer.ledger.round_counts(time.time())).result()
+                    swarm_metrics.publish_leaving(dht, swarm.run_id, signer, epoch=optimizer.local_epoch).result()
+                except Exception as e:  # the p2p daemon already gone (Ctrl-C in a terminal)
+                    logger.debug("could not store the last metrics record: %r", e)
+
+            _bounded(publish_final, 10, "the last metrics record")
+        summary.update(summary_extra)
+        summary["credited_samples"], summary["credited_steps"] = optimizer.ledger.samples, optimizer.ledger.steps
+        summary["credits"] = list(optimizer.ledger.entries)
+        logger.info("credited on the leaderboard: %d samples in %d global steps (samples of rounds the swarm "
+                    "finished without this peer are not)", optimizer.ledger.samples, optimizer.ledger.steps)
+        summary["bootstrap_reconnects"] = bootstrap_watch.reconnects
+        summary["rounds"] = optimizer.rounds.to_dicts()
+        summary["averaging"] = optimizer.averaging_stats()
+        summary["state_uploads"] = optimizer.state_averager.upload_stats()
+        summary["final_epoch"] = optimizer.local_epoch
+        if config.save_final:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, config.save_final)
+        if config.summary_file:
+            Path(config.summary_file).write_text(json.dumps(summary, indent=2))
+        # Every background user of the DHT stops before the DHT does (a request in flight would hold
+        # up its shutdown).
+        access.close()
+        bootstrap_watch.stop.set()
+        bootstrap_watch.join(10)
+        _bounded(optimizer.shutdown, 30, "leaving the averaging groups")
+        _bounded(dht.shutdown, 15, "stopping the DHT")
+        if summary.get("run_finished"):
+            logger.info("%s", summary["run_finished"])
+    return summary
+
+
+class _Access:
+    """This peer's identity, access token and guard, when the run authenticates peers (it says so in
+    ``/api/join``'s ``auth``). Fails fast, before any p2p start-up, if the coordinator refuses."""
+
+    def __init__(self, config: VolunteerConfig, info: dict, run_id: str):
+        self.auth = info.get("auth")
+        self.user = self.token = self.guard = self.keeper = None
+        self.key = None  # the identity's private key, when the run authenticates peers
+        self.temporary_identity = None
+        self.identity_path = config.identity  # without auth: a fixed peer ID if given, else a fresh one
+        if self.auth is None:
+            if self.identity_path is not None:
+                Path(self.identity_path).parent.mkdir(parents=True, exist_ok=True)
+            return
+        from crowdtrain.swarm.auth import (AccessDenied, AccessGuard, HttpTokenSource, SwarmAuthorizer,
+                                           TokenRequestRejected, identity_path_for, load_identity, refresh_margin_s,
+                                           refresh_retry_max_s)
+
+        if self.auth["mode"] == "allowlist" and not config.api_key:
+            raise ValueError("this run admits invited users only: ask its organizer for an API key "
+                             "(`crowdtrain users add NAME` on the coordinator) and pass it with --key KEY")
+        path = config.identity
+        if path is None:
+            path = self.temporary_identity = identity_path_for(config.cache_dir, run_id, config.user)
+        self.identity_path = str(path)
+        key = self.key = load_identity(path)
+        self.source = HttpTokenSource(self.auth["token_url"], private_key=key, api_key=config.api_key,
+                                      user=config.user)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.token = self.source()
+                break
+            except TokenRequestRejected as e:
+                raise ValueError(f"{e}. This crowdtrain may not match the coordinator's: install the version "
+                                 "the organizer runs") from e
+            except AccessDenied as e:
+                raise ValueError(f"{e}. Check --key (or ask the organizer for a new key)") from e
+            except (ConnectionError, OSError) as e:  # coordinator restarting or overloaded: retry
+                if time.monotonic() > deadline:
+                    raise ValueError(f"could not get an access token from {self.auth['token_url']}: {e}") from e
+                logger.warning("%s; retrying", e)
+                time.sleep(3)
+        self.user = self.token["username"]
+        coordinator_key = self.auth["coordinator_public_key"].encode()
+        lifetime = float(self.auth["token_lifetime_s"])
+        self.lifetime = lifetime
+        self.authorizer = SwarmAuthorizer(key, coordinator_key, self.source,
+                                          refresh_margin_s=refresh_margin_s(lifetime),
+                                          retry_max_s=refresh_retry_max_s(lifetime))
+        self.guard = AccessGuard(run_id=run_id, coordinator_public_key=coordinator_key)
+        self.run_id = run_id
+
+    def dht_kwargs(self) -> dict:
+        if self.auth is None:
+            return {} if self.identity_path is None else {"identity_path": str(self.identity_path)}
+        return {"identity_path": self.identity_path, "authorizer": self.authorizer}
+
+    def start_keeper(self, dht, signer, *, on_denied) -> None:
+        if self.auth is None:
+            return
+        from crowdtrain.swarm.auth import TokenKeeper
+
+        self.keeper = TokenKeeper(dht, self.run_id, signer, self.source, lifetime_s=self.lifetime,
+                                  on_denied=on_denied).start(self.token)
+
+    def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+        if self.temporary_identity is not None:
+            with contextlib.suppress(OSError):
+                os.chmod(self.temporary_identity, 0o600)
+                os.unlink(self.temporary_identity)
+
+
+def _abandon_start_up(dht, access: "_Access", threads_before: set) -> None:
+    """Undo a start-up that failed half-way (e.g. the optimizer refused a setting): stop what
+    already runs, so the process can exit. A half-built hivemind optimizer is out of reach, but its
+    progress tracker's thread is not; left running, it kept the interpreter from exiting."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    for thread in set(threading.enumerate()) - threads_before:
+        if isinstance(thread, ProgressTracker):
+            _bounded(thread.shutdown, 10, "stopping the progress tracker")
+    access.close()
+    if dht is not None:
+        _bounded(dht.shutdown, 15, "stopping the DHT")
+
+
+def _bounded(fn, timeout_s: float, what: str) -> None:
+    """Run ``fn`` but give up waiting after ``timeout_s``: leaving must never hang."""
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("%s did not finish within %.0fs; leaving anyway", what, timeout_s)
+
+
+def backward_checked(loss: torch.Tensor, model: torch.nn.Module, loss_scale: LossScale, all_finite) -> bool:
+    """Backward of ``loss`` (scaled when ``loss_scale`` is enabled). True if the loss and every
+    gradient are finite; the gradients are then unscaled, ready for the optimizer. False: the
+    batch must be dropped (an fp16 overflow has halved the scale)."""
+    loss_scale.scale_loss(loss).backward()
+    grads = [p.grad for p in model.parameters()]
+    finite = bool(torch.isfinite(loss)) and all_finite(grads)
+    loss_scale.update(finite=finite)
+    if finite:
+        loss_scale.unscale_(grads)
+    return finite
+
+
+def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config, device, stop_event, summary,
+                swarm_metrics, all_finite, autocast_context, t_join, run_end=None, threads=None) -> None:
+    batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
+    start = time.perf_counter()
+    contributed = steps = dropped = 0
+    waited = computed = 0.0  # seconds blocked in optimizer.step / computing gradients (padding included)
+    over_budget = 0  # steps whose real computation took longer than --simulated-step-s
+    losses: list[float] = []
+    last_report = start
+    epoch_seen = optimizer.local_epoch
+    first_contribution_s = None
+    # fp16 gradients underflow without it; hivemind's optimizer steps copies of the parameters,
+    # so the model's gradients are unscaled here, before optimizer.step (crowdtrain.optim.loss_scale).
+    loss_scale = LossScale(enabled=config.precision == "fp16")
+    while not stop_event.is_set():
+        if run_end is not None:  # the run's end (crowdtrain.swarm.schedule_watch), moved when it is extended
+            optimizer.final_epoch = run_end.final_epoch(config.max_epochs)
+            if run_end.at_end(optimizer.local_epoch):
+                summary["run_finished"] = run_end.finished_message(optimizer.local_epoch)
+                logger.info("the swarm reached the run's last epoch (%d); leaving", optimizer.local_epoch)
+                break
+        if config.max_epochs is not None and optimizer.local_epoch >= config.max_epochs:
+            logger.info("the swarm reached epoch %d; leaving", optimizer.local_epoch)
+            break
+        if config.max_minutes is not None and time.perf_counter() - start > 60 * config.max_minutes:
+            break
+        if threads is not None:
+            threads.rebalance()  # volunteers that joined or left this machine move its share of the cores
+        t_step = time.perf_counter()
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        with autocast_context(device, config.precision):
+            loss = task.loss(model, batch)
+        if (config.fault or "").startswith("nan-every=") and (steps + dropped + 1) % int(config.fault[10:]) == 0:
+            loss = loss * float("nan")
+        if not backward_checked(loss, model, loss_scale, all_finite):
+            # Never send a non-finite gradient: drop this batch and go on.
+            logger.warning("non-finite loss or gradient (loss %s%s); dropping this batch", loss.item(),
+                           f", fp16 loss scale now {loss_scale.scale:g}" if loss_scale.enabled else "")
+            optimizer.zero_grad()
+            dropped += 1
+            continue
+        if config.simulated_step_s > 0:
+            # Pad the computation, not the waiting: a slower device computes longer, its network is no slower.
+            over_budget += time.perf_counter() - t_step > config.simulated_step_s
+            time.sleep(max(0.0, config.simulated_step_s - (time.perf_counter() - t_step)))
+        t_opt = time.perf_counter()
+        computed += t_opt - t_step
+        optimizer.step()  # blocks only when this peer must wait for the swarm (averaging, state)
+        waited += time.perf_counter() - t_opt
+        optimizer.zero_grad()
+        if not all_finite(list(model.parameters())):
+            logger.error("parameters became non-finite; reloading the state from peers")
+            optimizer.load_state_from_peers()
+        steps += 1
+        contributed += config.batch_size
+        losses.append(loss.item())
+        if first_contribution_s is None and optimizer.local_epoch > epoch_seen:
+            first_contribution_s = time.perf_counter() - t_join
+            summary["first_epoch_s"] = first_contribution_s
+            summary["first_epoch_unix"] = time.time()
+        now = time.perf_counter()
+        rate = contributed / max(now - start, 1e-9)
+        last_round = optimizer.last_round() or RoundSummary(epoch=0, group_size=0, swarm_peers=0)
+        # One line (and one metrics record) per new epoch or every 5 s, not per step: a small
+        # model steps several times a second.
+        if optimizer.local_epoch != epoch_seen or now - last_report > 5:
+            window = losses[-20:]
+            mean_loss = sum(window) / len(window)
+            logger.info("epoch %d | loss %.4f | %.1f samples/s | contributed %d | peers in last round %d/%d",
+                        optimizer.local_epoch, mean_loss, rate, contributed, last_round.group_size,
+                        last_round.swarm_peers)
+            if optimizer.local_epoch != epoch_seen:
+                summary["epochs"].append({"epoch": optimizer.local_epoch, "loss": mean_loss, "samples": contributed,
+                                          "time": now - start, "unix": time.time(), "compute_s": computed,
+                                          "wait_s": waited})
+            record = dict(peer_id=summary["peer_id"], epoch=optimizer.local_epoch, samples=contributed,
+                          samples_per_second=float(rate), loss=float(mean_loss), steps=steps, time=time.time(),
+                          client_mode=config.client_mode, last_round_peers=int(last_round.group_size),
+                          swarm_peers=int(last_round.swarm_peers), fingerprint=summary["fingerprint"],
+                          user=summary["user"], maddrs=summary["maddrs"], **endorsement,
+                          **optimizer.ledger.record_fields())
+            swarm_metrics.publish(dht, swarm.run_id, signer, swarm_metrics.PeerMetrics(**record))
+            swarm_metrics.publish_round_counts(dht, swarm.run_id, signer, optimizer.ledger.round_counts(time.time()))
+            summary["_last_record"] = record
+            epoch_seen, last_report = optimizer.local_epoch, now
+    window = losses[-20:]
+    logger.info("left at epoch %d: contributed %d samples in %d steps over %.1f min (%d batches dropped)%s",
+                optimizer.local_epoch, contributed, steps, (time.perf_counter() - start) / 60, dropped,
+                f"; loss {sum(window) / len(window):.4f}" if window else "")
+    summary.update(samples=contributed, steps=steps, seconds=time.perf_counter() - start, wait_s=waited,
+                   compute_s=computed, over_budget_steps=over_budget, end_unix=time.time(),
+                   dropped_batches=dropped,
+                   loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)

@@ -1,0 +1,243 @@
+"""What sync and DiLoCo mode share about averaging rounds: the typed record of a round, the
+peer's log of them, who offers its state to downloaders at what priority, how a peer finds out
+that the swarm finished a round without it (:class:`LeftOutWatch`), how a peer that leaves a
+scheduled round (to download the state, or to go) lets its group finish without it, and what
+the swarm's progress records say (its epoch now, who is behind, whether it is at its start).
+
+A round record is what a peer's summary (``join --summary-file``), its metrics and the tests
+read. Fields that only one mode measures are None (left out of :meth:`RoundSummary.to_dict`) or
+False in the other.
+
+State offers: hivemind's downloaders (newcomers, peers catching up, the coordinator's
+checkpointer) take the state of the peer offering the highest priority, and peers read each
+other's offers to learn how far the swarm got (``crowdtrain.swarm.hivemind_seam.state``). The
+integer part of a priority is the epoch of the state on offer. :class:`StateOffer` is the one
+place a trainer offers, demotes or withdraws its state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from hivemind.averaging.control import AveragingStage
+
+from crowdtrain.swarm.hivemind_seam.records import progress_records, state_offers_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundSummary:
+    epoch: int  # the epoch whose round this was (the step from epoch to epoch + 1)
+    group_size: int  # peers in this peer's group (1: it used its own tensors)
+    swarm_peers: int  # peers the swarm reported when the round started
+    weight: float = 0.0  # samples this peer put into the round
+    credited: bool = False  # its samples went into the swarm's step (crowdtrain.swarm.metrics.Ledger)
+    round_weight: float = 0.0  # what this peer's reducers averaged, summed over the round's senders
+    # sync mode: wall-clock times (comparable across peers on one machine) when the round was
+    # triggered (this peer reached the target batch), its all-reduce began, and it ended
+    triggered_unix: float | None = None
+    allreduce_unix: float | None = None
+    done_unix: float | None = None
+    left_out: bool = False  # the swarm finished the round without this peer
+    partial: bool = False  # a groupmate failed mid-round: part of the average is this peer's own
+    # DiLoCo mode
+    seconds: float | None = None  # from the sync point to the outer step
+    overlapped: bool = False  # inner steps went on during the round
+    inner_steps_during: int = 0
+    bytes_sent: int | None = None
+    aggregate_s: float | None = None
+    parts_dropped: int | None = None
+    params_sha: str | None = None  # digest of the global parameters after the outer step
+    diverged: bool = False  # this peer's group ended apart from the swarm's canonical state
+    healed: bool = False  # ... and this peer then downloaded the canonical state
+    overtaken: bool = False  # the swarm stepped on before this peer could compare states
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+class RoundLog:
+    """A peer's rounds, appended by its averaging thread and read by its training loop."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._records: list[RoundSummary] = []
+
+    def append(self, record: RoundSummary) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    def last(self) -> RoundSummary | None:
+        with self._lock:
+            return self._records[-1] if self._records else None
+
+    def mark(self, epoch: int, **flags) -> bool:
+        """Set ``flags`` on the record of ``epoch`` if it is the latest (False if it is not)."""
+        with self._lock:
+            if not self._records or self._records[-1].epoch != epoch:
+                return False
+            for name, value in flags.items():
+                setattr(self._records[-1], name, value)
+            return True
+
+    def __getitem__(self, index: int) -> RoundSummary:
+        with self._lock:
+            return self._records[index]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def to_dicts(self) -> list[dict]:
+        with self._lock:
+            return [r.to_dict() for r in self._records]
+
+
+class StateOffer:
+    """Whether, and at what priority, a trainer offers its state (client-mode peers never do)."""
+
+    def __init__(self, averager, *, client_mode: bool):
+        self.averager, self.client_mode = averager, client_mode
+
+    def offer(self, priority: float) -> None:
+        """Offer the state at ``priority`` (its integer part: the state's epoch)."""
+        if not self.client_mode:
+            self.averager.allow_state_sharing = True
+            self.averager.state_sharing_priority = priority
+
+    def demote(self, epoch: int) -> None:
+        """Our parameters took (or take) a step the swarm did not: until we download the group's
+        state, rank ours below every peer of ``epoch`` that averaged in full and above any older
+        state. Offered at our epoch they would tie with the group's, and the coordinator's
+        checkpointer, a newcomer or another left-out peer could take them; not offered at all,
+        such peers would take the coordinator's copy, epochs old when nobody else serves."""
+        if not self.client_mode:
+            self.averager.state_sharing_priority = epoch - 0.5
+
+    def withdraw(self) -> None:
+        """Offer nothing (while we download: another peer left out of the same round would take ours)."""
+        if not self.client_mode:
+            self.averager.allow_state_sharing = False
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """What ``crowdtrain.swarm.peer``'s training loop uses of a mode's optimizer
+    (``crowdtrain.swarm.optimizer.SwarmOptimizer``, ``crowdtrain.swarm.diloco.DiLoCoOptimizer``)."""
+
+    rounds: RoundLog
+    ledger: Any  # crowdtrain.swarm.metrics.Ledger: the samples its rounds credited
+    tracker: Any  # hivemind's ProgressTracker: the swarm's progress
+    state_averager: Any  # the averager that serves this peer's state to downloaders
+
+    @property
+    def local_epoch(self) -> int: ...
+
+    def step(self) -> None:
+        """After ``backward()``: this batch counts toward the swarm's; at the target, a round."""
+
+    def zero_grad(self) -> None: ...
+
+    def load_state_from_peers(self) -> None:
+        """Download the swarm's newest state (at join, and when the parameters went bad)."""
+
+    def last_round(self) -> RoundSummary | None: ...
+
+    def averaging_stats(self) -> dict: ...
+
+    def finish_pending_updates(self) -> None:
+        """Before leaving: apply what is in flight and end on the swarm's state."""
+
+    def shutdown(self) -> None: ...
+
+
+class LeftOutWatch:
+    """Whether the swarm finished a round without this peer, for both modes. A peer still looking
+    for a group a matchmaking time after its round started, while ``went_on()`` says that round
+    is over, was left out: waiting out the averaging timeout would only let the others leave
+    before it downloads their state. ``went_on`` is the mode's evidence, a DHT read: sync mode
+    reads the signed records of peers that finished the round in a group, DiLoCo the state offers
+    of a later epoch (its progress records move on when a round starts, so they cannot tell)."""
+
+    def __init__(self, control, *, matchmaking_time: float, went_on: Callable[[], bool],
+                 started: float | None = None):
+        self.control, self.went_on = control, went_on
+        self.started = time.monotonic() if started is None else started
+        self._next_read = self.started + matchmaking_time
+
+    def left_out(self, *, every: float = 1.0) -> bool:
+        """Check now. Reads the DHT at most once per ``every`` seconds: with a short ``every`` a
+        left-out peer starts its download sooner; each read asks several DHT peers."""
+        now = time.monotonic()
+        if now < self._next_read:
+            return False
+        self._next_read = now + every
+        return self.control.stage == AveragingStage.LOOKING_FOR_GROUP and bool(self.went_on())
+
+
+def release_scheduled(control, timeout: float) -> None:
+    """Leave a round this peer scheduled ahead (before a state download, or when it goes). One no
+    group waits on yet (not triggered, idle or still looking for a group) is cancelled: tagging
+    along would block until that round ends, maybe an epoch away (seen: 25 s). Otherwise tag along
+    (:func:`tag_along`), so the group does not stall waiting for us."""
+    if control is None or control.done():
+        return
+    if not control.triggered and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+        control.cancel()
+    else:
+        tag_along(control, timeout)
+
+
+def tag_along(control, timeout: float) -> None:
+    """Let a round this peer scheduled (``control``: hivemind's StepControl) go on without its
+    tensors counting: weight 0, so the group that may be waiting for us does not stall; wait up to
+    ``timeout`` for it to end, and cancel it if it fails."""
+    try:
+        if not control.triggered:
+            control.weight = 0
+            control.allow_allreduce()
+        control.result(timeout)
+    except BaseException as e:
+        logger.debug("a round this peer tagged along failed: %r", e)
+        if not control.done():
+            control.cancel()
+
+
+def swarm_epoch_now(tracker) -> int:
+    """The newest epoch any peer reports, read from the DHT now: a paused ProgressTracker's view is
+    frozen (during a round or a state download). Falls back to the tracker's view."""
+    records = progress_records(tracker) or []
+    return max([tracker.global_epoch, *(r["epoch"] for r in records)])
+
+
+def peers_behind(tracker, epoch: int, *, exclude: bytes = b"") -> list[bytes]:
+    """Peers whose progress record reports an epoch below ``epoch`` (empty if the DHT does not answer)."""
+    return [r.get("peer_id", b"") for r in progress_records(tracker) or []
+            if r["epoch"] < epoch and r.get("peer_id", b"") != exclude]
+
+
+def swarm_at_start(tracker, state_averager) -> bool:
+    """True only if the DHT answers that no peer reports an epoch past 0 and no state of a later
+    epoch is on offer (the coordinator's auxiliary peer offers the last checkpoint's); False when
+    in doubt (the DHT does not answer)."""
+    try:
+        progress = tracker.dht.get(tracker.training_progress_key, latest=True)
+        offers = state_averager.dht.get(state_offers_key(state_averager.prefix), latest=True)
+    except Exception as e:
+        logger.debug("could not read the swarm's progress: %r", e)
+        return False
+    epochs = [tracker.global_epoch]
+    for found, read in ((progress, lambda v: v["epoch"]), (offers, lambda v: int(float(v)))):
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        for entry in entries.values():
+            try:
+                epochs.append(int(read(entry.value)))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return max(epochs) == 0
