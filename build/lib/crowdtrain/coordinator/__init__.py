@@ -1,1 +1,0 @@
-"""The coordinator: hands out the run, serves data and checkpoints, supervises the auxiliary peer. Never imports torch."""

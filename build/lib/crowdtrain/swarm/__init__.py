@@ -1,1 +1,0 @@
-"""Everything that talks to hivemind: the swarm optimizer, volunteers, the auxiliary peer."""
