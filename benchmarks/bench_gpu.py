@@ -174,11 +174,11 @@ def sampling_row(args, device) -> dict:
 
 
 def offload_row(args, device, batch: int) -> dict:
-    """The offloaded 8-bit LAMB step (crowdtrain.swarm.optimizer.ClippedLAMB8bit on host copies
+    """The offloaded 8-bit LAMB step (crowdtrain.swarm.lamb.ClippedLAMB8bit on host copies
     of the parameters, as hivemind's offload_optimizer keeps them), alone and beside a training
     step of ``batch`` (the largest that fit): a small batch's step is too short to hide it."""
     from crowdtrain.runspec.swarm import SwarmConfig
-    from crowdtrain.swarm.optimizer import make_lamb
+    from crowdtrain.swarm.lamb import make_lamb
 
     config = get_preset(args.preset)
     torch.manual_seed(0)

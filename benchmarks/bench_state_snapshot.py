@@ -40,7 +40,7 @@ def main() -> int:
     from crowdtrain.model.transformer import DalleTransformer
     from crowdtrain.optim import param_groups
     from crowdtrain.runspec.swarm import SwarmConfig
-    from crowdtrain.swarm.optimizer import make_lamb
+    from crowdtrain.swarm.lamb import make_lamb
     from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager
     from crowdtrain.testbed.swarm import MODEL_22M
 

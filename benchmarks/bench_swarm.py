@@ -32,7 +32,7 @@ from hivemind.compression import CompressionInfo, NoCompression, TensorRole  # n
 from crowdtrain.model import get_preset  # noqa: E402
 from crowdtrain.swarm.compression import PaperCompression  # noqa: E402
 from crowdtrain.runspec.swarm import SwarmConfig  # noqa: E402
-from crowdtrain.swarm.optimizer import make_lamb  # noqa: E402
+from crowdtrain.swarm.lamb import make_lamb  # noqa: E402
 from crowdtrain.launch import LocalSwarm  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -56,7 +56,8 @@ from crowdtrain.swarm.auth import (AccessGuard, LocalTokenSource, SwarmAuthorize
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.hivemind_seam import check_hivemind_version
 from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager, set_state_epoch
-from crowdtrain.swarm.optimizer import make_lamb, make_scheduler
+from crowdtrain.swarm.lamb import make_lamb
+from crowdtrain.swarm.optimizer import make_scheduler
 from crowdtrain.swarm.rounds import StateOffer
 from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 from crowdtrain.train.validate import DEFAULT_MAX_ROWS, HeldOutSet

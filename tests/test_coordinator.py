@@ -18,7 +18,7 @@ from crowdtrain.optim import param_groups
 from crowdtrain.swarm.compression import PaperCompression, Uniform8Bit, wire_bytes
 from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.checkpoint import flatten_optimizer_state, unflatten_optimizer_state
-from crowdtrain.swarm.optimizer import make_lamb
+from crowdtrain.swarm.lamb import make_lamb
 
 
 def test_compression_is_8bit_for_large_fp16_for_small_and_exact_for_integers():

@@ -23,7 +23,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
 from crowdtrain.runspec.swarm import SwarmConfig
-from crowdtrain.swarm.optimizer import build_optimizer, make_lamb, make_scheduler
+from crowdtrain.swarm.lamb import make_lamb
+from crowdtrain.swarm.optimizer import build_optimizer, make_scheduler
 from crowdtrain.train.task import DalleTask
 
 SPLIT = (12, 4)

@@ -157,7 +157,7 @@ def test_an_allowlist_run_gives_peer_addresses_only_to_its_users(tmp_path):
     """`crowdtrain join --key` asks with its key, so invited volunteers still find the swarm."""
     import uvicorn
 
-    from crowdtrain.swarm.peer import fetch_json
+    from crowdtrain.swarm.join_info import fetch_json
     from crowdtrain.launch import free_port
 
     info = {**run_json(tmp_path), "auth": {"mode": "allowlist"}}

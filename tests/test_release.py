@@ -142,7 +142,7 @@ def test_a_volunteer_of_another_protocol_is_refused_with_the_install_line_and_co
 
 
 def test_join_stops_before_any_peer_starts_with_the_coordinators_install_line(tmp_path):
-    from crowdtrain.swarm.peer import check_same_protocol
+    from crowdtrain.swarm.join_info import check_same_protocol
 
     install = 'pip install "crowdtrain[volunteer] @ http://h/install/x.whl"'
     check_same_protocol({"crowdtrain": {"protocol": release.PROTOCOL, "install": install}}, "http://h")

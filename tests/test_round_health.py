@@ -7,7 +7,7 @@ import json
 import time
 
 from crowdtrain.coordinator.db import Store, default_url
-from crowdtrain.coordinator.service import rounds_failing, run_status
+from crowdtrain.coordinator.status import rounds_failing, run_status
 from crowdtrain.swarm.metrics import (Ledger, PeerMetrics, RoundCounts, RoundHealth, StoredRecord,
                                      round_counts_of)
 

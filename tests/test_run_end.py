@@ -15,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from crowdtrain.coordinator.db import Store
-from crowdtrain.coordinator.service import AuthSettings, create_app, time_to_the_end
+from crowdtrain.coordinator.service import AuthSettings, create_app
+from crowdtrain.coordinator.status import time_to_the_end
 from crowdtrain.optim import Schedule
 from crowdtrain.runspec.schedule import RunSchedule
 from crowdtrain.swarm.schedule_watch import RunFinished, ScheduleWatch, check_not_finished

@@ -23,7 +23,8 @@ from crowdtrain.checkpoint import (best_checkpoint, latest_checkpoint, list_chec
                                    prune_checkpoints, read_meta, save_checkpoint)
 from crowdtrain.coordinator import pages
 from crowdtrain.coordinator.db import Store
-from crowdtrain.coordinator.service import AuthSettings, create_app, run_status
+from crowdtrain.coordinator.service import AuthSettings, create_app
+from crowdtrain.coordinator.status import run_status
 from crowdtrain.data.image_tokenizer import load_image_tokenizer
 from crowdtrain.data.shards import prepare_shards
 from crowdtrain.data.tokenizers import SHAPES_TEXT_TOKENIZER, load_text_tokenizer

@@ -25,7 +25,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from crowdtrain.coordinator.db import Store
-from crowdtrain.coordinator.service import CHECKPOINT_FILES, run_status
+from crowdtrain.coordinator.status import CHECKPOINT_FILES, run_status
 from crowdtrain.data.sample_prompts import load_run_prompts
 from crowdtrain.runspec.files import read_run_info
 

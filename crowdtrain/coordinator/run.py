@@ -125,7 +125,7 @@ def _sha256(path: Path) -> str:
 
 def image_tokenizer_layout(path) -> tuple[int, tuple[int, int] | None] | None:
     """(codebook size, code factors or None) of a ``.safetensors`` image tokenizer, read from its
-    metadata (``crowdtrain.data.image_tokenizer.METADATA_KEY``) without importing torch, which the
+    metadata (``crowdtrain.data.image_tokenizer_base.METADATA_KEY``) without importing torch, which the
     coordinator's process does without; None if not known."""
     try:
         with open(path, "rb") as f:

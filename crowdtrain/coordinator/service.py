@@ -2,7 +2,9 @@
 
 Reads the run's database (``crowdtrain.coordinator.db``) and the files the auxiliary peer writes
 in the run folder (``run.json``, ``status.json``, ``checkpoints/``, ``samples/``); never imports
-torch or hivemind. Shards are served with HTTP Range support (parquet readers seek).
+torch or hivemind. The run at a glance (``/api/status``) is ``crowdtrain.coordinator.status``'s,
+which the pages (``crowdtrain.coordinator.pages``, mounted here) show too. Shards are served with
+HTTP Range support (parquet readers seek).
 
 Everything a client sends is bounded: request bodies over ``MAX_BODY_BYTES`` get 413, malformed
 ones 422 with the field at fault, and ``POST /api/token`` is rate-limited (429) per API key, or
@@ -28,14 +30,12 @@ from pydantic import BaseModel, Field
 from crowdtrain import release
 from crowdtrain.coordinator.db import Store
 from crowdtrain.coordinator.notebooks import generate_notebook, join_notebook
+from crowdtrain.coordinator.pages import NAV, mark_gaps, create_router as pages_router
+from crowdtrain.coordinator.status import CHECKPOINT_FILES, run_status
 from crowdtrain.data.sample_prompts import load_run_prompts
-from crowdtrain.runspec.files import read_run_info, read_status
 from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
 from crowdtrain.runspec.tokens import CoordinatorKey, check_token_request, peer_id_of_key
-from crowdtrain.runspec.validation import memorising_problem
 
-CHECKPOINT_FILES = {"config.json", "model.safetensors", "optimizer.safetensors", "text_tokenizer.json",
-                    "image_tokenizer.safetensors"}
 MAX_BODY_BYTES = 64 * 1024
 
 
@@ -106,104 +106,12 @@ def _inside(root: Path, relative: str) -> Path:
     return path
 
 
-def time_to_the_end(*, epoch: int, total: int, epochs_per_second: float | None, samples_per_second: float,
-                    target_batch_size: int | None) -> float | None:
-    """Seconds until the swarm reaches ``total`` at its recent pace: the auxiliary peer's measure of
-    global epochs per second over the last few minutes (``crowdtrain.runspec.schedule.EpochRate``);
-    before two epochs have passed, the swarm's samples/s against the target batch. Not the pace
-    over a fixed long window: early in a run that window held the minutes before the first volunteer
-    arrived and the slow first epochs, and the estimate was 5x too long."""
-    if not total:
-        return None
-    pace = epochs_per_second
-    if not pace and target_batch_size:
-        pace = samples_per_second / target_batch_size
-    return max(total - epoch, 0) / pace if pace and pace > 0 else None
-
-
-def run_status(run_dir: Path, store: Store) -> dict:
-    """The run at a glance, for the API and the pages."""
-    info, info_problem = read_run_info(run_dir)
-    status, status_problem = read_status(run_dir)
-    swarm = info.swarm if info is not None else {}
-    schedule = info.schedule if info is not None and isinstance(info.schedule, dict) else None
-    live = [p for p in status.peers if isinstance(p, dict)]  # the auxiliary peer lists the live ones only
-    epoch = status.epoch
-    if schedule is not None:  # total_epochs is None while a time budget is being sized
-        total = int(schedule.get("total_epochs") or 0)
-        finished_at = schedule.get("finished_at")
-    else:  # an auxiliary peer from before schedules
-        total, finished_at = int(status.total_epochs or swarm.get("total_epochs") or 0), status.finished_at
-    eta_s = None  # unknown while nobody trains: the run is paused, not ending at the old pace
-    if live and finished_at is None:
-        samples_per_second = sum(float(p.get("samples_per_second") or 0.0) for p in live)
-        eta_s = time_to_the_end(epoch=epoch, total=total, epochs_per_second=status.epochs_per_second,
-                                samples_per_second=samples_per_second,
-                                target_batch_size=swarm.get("target_batch_size") or status.target_batch_size)
-        if not total and schedule is not None and schedule.get("time_budget_s") and schedule.get("started"):
-            eta_s = max(0.0, schedule["started"] + schedule["time_budget_s"] - time.time())  # the budget's end
-    # A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
-    live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live]
-    losses = [p["loss"] for p in live]
-    task = info.task if info is not None else {}
-    problems = [p for p in (info_problem, status_problem, _memorising(store), turned_away(store.counters())) if p]
-    failing = rounds_failing(status.rounds) if live else None
-    if failing:
-        problems.append(failing)
-    return {"run_id": info.run_id if info is not None else None, "started": info is not None, "epoch": epoch,
-            "total_epochs": total, "target_batch_size": swarm.get("target_batch_size"),
-            "active_peers": len(live), "samples_per_second": float(status.samples_per_second),
-            "loss": sum(losses) / len(losses) if losses else None, "eta_s": eta_s,
-            "epochs_per_second": status.epochs_per_second,
-            "finished": finished_at is not None, "finished_at": finished_at, "schedule": schedule or {},
-            "last_checkpoint_epoch": status.last_checkpoint_epoch, "updated": status.updated,
-            "peers": live, "model": task.get("model", {}), "data": task.get("data"),
-            "rounds": status.rounds if isinstance(status.rounds, dict) else {}, "problems": problems}
-
-
-def rounds_failing(rounds: dict) -> str | None:
-    """A problem line when many of the swarm's recent rounds averaged with nobody although other
-    peers were training (hivemind's "Averaging step failed: could not find a group"); None while
-    rounds form. ``rounds``: ``status.json``'s ``rounds`` (crowdtrain.swarm.metrics.RoundHealth)."""
-    try:
-        total, apart = int(rounds.get("rounds", 0)), int(rounds.get("apart", 0))
-        minutes = float(rounds.get("window_s", 300)) / 60
-        users = [str(u)[:64] for u in rounds.get("users", [])][:10]
-    except (AttributeError, TypeError, ValueError):
-        return None
-    if total < 4 or apart < max(2, total / 4):
-        return None
-    return (f"averaging rounds are failing: in the last {minutes:.0f} minutes, {apart} of the {total} rounds peers took "
-            f"averaged with nobody although other peers were training (peers of {', '.join(users) or 'unknown users'}"
-            "). Each such round costs its peers an averaging timeout and leaves them on different models. "
-            "Check that volunteers can reach each other (the DHT port open; peers behind NAT join with "
-            "--client-mode, and at least one peer must accept connections), that no machine runs more volunteers "
-            "than it has cores (give each `crowdtrain join --threads 1`), and on slow or distant links raise "
-            "--swarm matchmaking_time_s (and averaging_timeout_s) when starting the coordinator.")
-
-
 def other_protocol_refusal(theirs, version, install: str) -> str:
     """What a volunteer of another protocol is told: what runs here and the line that installs it."""
     who = (f"this crowdtrain ({str(version)[:60]}, protocol {theirs})" if theirs is not None
            else "this crowdtrain (from before protocol numbers)")
     return (f"{who} cannot train with this run, which runs crowdtrain {release.full_version()} (protocol "
             f"{release.PROTOCOL}). Install the coordinator's crowdtrain, then join again:\n\n    {install}\n")
-
-
-def turned_away(counters: dict) -> str | None:
-    """A problem line when volunteers were turned away for running another crowdtrain."""
-    joins, tokens = counters.get("joins_refused_protocol", 0), counters.get("tokens_refused_protocol", 0)
-    if not joins and not tokens:
-        return None
-    return (f"{joins} join attempt(s) and {tokens} token request(s) came from a crowdtrain of another protocol than "
-            f"this coordinator's (protocol {release.PROTOCOL}) and were refused; each was told the install line "
-            "on the join page. If volunteers keep arriving with an old version, post that line where they found "
-            "the run.")
-
-
-def _memorising(store: Store) -> str | None:
-    """The memorising warning (``crowdtrain.runspec.validation``), from every checkpoint's losses."""
-    return memorising_problem(store.checkpoints(include_pruned=True))
 
 
 def _memcalc_run(run_dir: Path) -> dict | None:
@@ -235,7 +143,6 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
                text_tokenizer: str | Path | None = None, auth: AuthSettings | None = None,
                public_url: str = "http://127.0.0.1:8000", checkpoint_dir: str | Path | None = None) -> FastAPI:
     from crowdtrain.coordinator.api_docs import add_api_docs
-    from crowdtrain.coordinator.pages import NAV, mark_gaps, create_router as pages_router
     from crowdtrain.memcalc.web import create_router as memcalc_router
 
     run_dir = Path(run_dir)

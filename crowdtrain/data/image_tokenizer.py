@@ -1,13 +1,16 @@
-"""Image tokenizers: pictures to grids of integer codes and back.
+"""Image tokenizers: which ones there are, and loading any of them from one file.
 
-One interface (:class:`ImageTokenizer`): ``encode(images) -> codes`` of shape (B, H', W') and
-``decode(codes) -> images`` as (B, H, W, 3) uint8. Two implementations:
+The interface (:class:`crowdtrain.data.image_tokenizer_base.ImageTokenizer`): ``encode(images) ->
+codes`` of shape (B, H', W') and ``decode(codes) -> images`` as (B, H, W, 3) uint8. Three
+implementations, one per ``kind`` in ``KINDS``:
 
 - :class:`SmallVQ` (here): a small VQ-VAE the project trains itself on CPU
   (``crowdtrain tokenizer train``), for data sets with no published tokenizer. The shapes
   tokenizer shipped in ``crowdtrain/assets/`` is one.
 - :class:`crowdtrain.data.vqgan.TamingVQGAN`: the taming-transformers VQGAN whose public
   checkpoints the paper used (f=8, 8192 codes); loads their state dicts unchanged.
+- :class:`crowdtrain.data.palette_tokenizer.PaletteMaskTokenizer`: a (mask, colour) code per
+  patch, for flat-coloured pictures such as the shapes data.
 
 Every tokenizer is ONE file: a ``.safetensors`` whose metadata holds the tokenizer's kind and
 config as JSON, so loading never unpickles anything. ``load_image_tokenizer`` also reads a taming
@@ -20,86 +23,15 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crowdtrain.data.image_tokenizer_base import METADATA_KEY, ImageTokenizer
+from crowdtrain.data.palette_tokenizer import PaletteMaskTokenizer
+from crowdtrain.data.vqgan import TamingVQGAN
+
 logger = logging.getLogger(__name__)
-
-METADATA_KEY = "crowdtrain_image_tokenizer"
-
-
-class ImageTokenizer(nn.Module):
-    """Base class. Subclasses set ``image_size`` (pixels, square), ``downsample`` (f) and
-    ``vocab_size`` and implement ``encode_float`` / ``decode_float`` on [-1, 1] images."""
-
-    kind = "base"
-    image_size: int
-    downsample: int
-    vocab_size: int
-
-    @property
-    def grid_size(self) -> tuple[int, int]:
-        return self.image_size // self.downsample, self.image_size // self.downsample
-
-    def config_dict(self) -> dict:
-        raise NotImplementedError
-
-    def encode_float(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) floats in [-1, 1] -> (B, H/f, W/f) long codes."""
-        raise NotImplementedError
-
-    def decode_float(self, codes: torch.Tensor) -> torch.Tensor:
-        """(B, h, w) long codes -> (B, 3, h*f, w*f) floats, roughly in [-1, 1]."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def encode(self, images) -> torch.Tensor:
-        """Images (a (B, H, W, 3) uint8 array/tensor, or a list of PIL images / arrays) -> (B, H', W') codes."""
-        self.eval()
-        return self.encode_float(images_to_float(images).to(self._device()))
-
-    @torch.no_grad()
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """(B, H', W') codes -> (B, H, W, 3) uint8 images."""
-        self.eval()
-        codes = torch.as_tensor(codes, dtype=torch.long, device=self._device())
-        if codes.dim() == 2:  # (B, H'*W') raster order, as the model and shards store them
-            h, w = self.grid_size
-            codes = codes.view(-1, h, w)
-        if codes.min() < 0 or codes.max() >= self.vocab_size:
-            raise ValueError(f"codes must lie in [0, {self.vocab_size}), got [{int(codes.min())}, {int(codes.max())}]")
-        return float_to_images(self.decode_float(codes))
-
-    def _device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    def save(self, path, *, report: dict | None = None, half: bool = False) -> Path:
-        """Write the tokenizer as one ``.safetensors`` file (config in the metadata)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.half() if half and v.is_floating_point() else v).contiguous().cpu()
-                 for k, v in self.state_dict().items()}
-        meta = {"kind": self.kind, "config": self.config_dict(), "report": report or {}}
-        save_file(state, str(path), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
-        return path
-
-
-def images_to_float(images) -> torch.Tensor:
-    """Accepts (B, H, W, 3) uint8 or a list of PIL images / (H, W, 3) arrays -> (B, 3, H, W) in [-1, 1]."""
-    if isinstance(images, (list, tuple)):
-        images = np.stack([np.asarray(im.convert("RGB") if hasattr(im, "convert") else im) for im in images])
-    t = images if isinstance(images, torch.Tensor) else torch.from_numpy(np.array(images, dtype=np.uint8))
-    if t.dim() != 4 or t.shape[-1] != 3:
-        raise ValueError(f"images must be (batch, height, width, 3) uint8, got shape {tuple(t.shape)}")
-    return t.permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
-
-
-def float_to_images(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
 
 # ---- the small VQ-VAE ---------------------------------------------------------------------
@@ -214,7 +146,7 @@ class SmallVQ(ImageTokenizer):
             self.steps_unused[dead] = 0
 
 
-KINDS: dict[str, type] = {"small_vq": SmallVQ}
+KINDS: dict[str, type[ImageTokenizer]] = {cls.kind: cls for cls in (SmallVQ, TamingVQGAN, PaletteMaskTokenizer)}
 
 
 def load_image_tokenizer(path, *, device: str | torch.device = "cpu", trust_checkpoint: bool = False) -> ImageTokenizer:
@@ -240,24 +172,15 @@ def load_image_tokenizer(path, *, device: str | torch.device = "cpu", trust_chec
             raise ValueError(f"{path} has no '{METADATA_KEY}' metadata: it is not a crowdtrain image tokenizer "
                              "(convert a taming checkpoint with `crowdtrain tokenizer convert`)")
         meta = json.loads(meta)
-        if meta["kind"] == "taming_vqgan":
-            from crowdtrain.data.vqgan import TamingVQGAN
-            cls = TamingVQGAN
-        elif meta["kind"] == "palette_mask":
-            from crowdtrain.data.palette_tokenizer import PaletteMaskTokenizer
-            cls = PaletteMaskTokenizer
-        elif meta["kind"] in KINDS:
-            cls = KINDS[meta["kind"]]
-        else:
+        if meta["kind"] not in KINDS:
             raise ValueError(f"{path}: unknown image tokenizer kind {meta['kind']!r}")
-        model = cls(**meta["config"])
+        model = KINDS[meta["kind"]](**meta["config"])
         state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
         model.load_state_dict(state)
         model.report = meta.get("report", {})
         model.source_path = str(path)
         return model.to(device).eval()
     if path.suffix in (".ckpt", ".pt", ".pth", ".bin"):
-        from crowdtrain.data.vqgan import TamingVQGAN
         model = TamingVQGAN.from_checkpoint(path, trust_checkpoint=trust_checkpoint)
         model.source_path = str(path)
         return model.to(device).eval()

@@ -25,7 +25,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from crowdtrain.data.image_tokenizer import ImageTokenizer
+from crowdtrain.data.image_tokenizer_base import ImageTokenizer
 
 
 class PaletteMaskTokenizer(ImageTokenizer):

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from crowdtrain.data.config import VQTrainConfig
-from crowdtrain.data.image_tokenizer import SmallVQ, images_to_float
+from crowdtrain.data.image_tokenizer import SmallVQ
+from crowdtrain.data.image_tokenizer_base import images_to_float
 
 logger = logging.getLogger(__name__)
 

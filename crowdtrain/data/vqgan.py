@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crowdtrain.data.image_tokenizer import ImageTokenizer
+from crowdtrain.data.image_tokenizer_base import ImageTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -66,6 +66,7 @@ from crowdtrain.swarm.hivemind_seam.averaging import RobustAveragerMixin
 from crowdtrain.swarm.hivemind_seam.optimizer import SuspectAwareProgressTracker
 from crowdtrain.swarm.hivemind_seam.records import state_offers_key
 from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit
+from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import SuspectPeers, make_aggregator
 from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, release_scheduled,
                                      swarm_epoch_now, tag_along)
@@ -87,8 +88,6 @@ def make_outer_optimizer(params: list[torch.Tensor], config: SwarmConfig) -> tor
 
 def make_inner_optimizer(groups: list[dict], config: SwarmConfig) -> torch.optim.Optimizer:
     if config.inner_optimizer == "lamb8bit":
-        from crowdtrain.swarm.optimizer import make_lamb
-
         return make_lamb(groups, config)  # clips the gradient norm itself
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
 

@@ -1,4 +1,5 @@
-"""The run as a coordinator hands it out (``GET /api/join``), checked whole before a volunteer starts.
+"""The run as a coordinator hands it out (``GET /api/join``): fetched, and checked whole before a
+volunteer starts.
 
 The answer comes from the network: a broken or hostile coordinator (or a proxy in front of it)
 can send a negative or NaN learning rate, a JSON list instead of an object, a key too few, an
@@ -6,21 +7,32 @@ address that is no multiaddr, or a model no machine holds. Each must end ``crowd
 with one line that names the field, before the DHT, the averagers or any of their threads
 exist: a failure after those start left a progress-tracker thread that kept the process alive.
 
-Typical use, in ``crowdtrain.swarm.peer``::
+Typical use, in ``crowdtrain.swarm.peer`` (and ``crowdtrain.swarm.machine``, for the join
+notebook's preview)::
 
-    checked = check_join_info(info, model_overrides=config.model_overrides, source=url)
+    info = fetch_json(join_url(base), api_key=config.api_key)
+    check_same_protocol(info, base)
+    checked = check_join_info(info, model_overrides=config.model_overrides, source=base)
     checked.swarm, checked.model  # a SwarmConfig and a ModelConfig, each validated
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 
 from crowdtrain.model.config import ModelConfig
 from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.runspec.typed import json_type, matches, typed_config
+
+logger = logging.getLogger(__name__)
 
 # The least a peer holds per parameter: fp32 parameters and their gradients. The averagers, the
 # optimizer state and activations come on top, so a model over this bound cannot train here at all.
@@ -164,3 +176,89 @@ def _check(info, model_overrides: dict, source: str, ram_bytes: int | None,
             raise ValueError(f"auth.token_lifetime_s must be a positive finite number, got {lifetime!r}"[:300])
     params = check_model_fits(model, ram_bytes, source, memory_name)
     return CheckedJoinInfo(swarm=swarm, model=model, params=params)
+
+
+# ---- fetching it -------------------------------------------------------------------------------
+def _refused(error: BaseException) -> bool:
+    """Connection refused: the host answered, and nothing listens on that port."""
+    return isinstance(getattr(error, "reason", error), ConnectionRefusedError)
+
+
+def _detail(error: urllib.error.HTTPError, limit: int = 2000) -> str:
+    """An error answer's ``detail`` (the coordinator says what is wrong there), else its text."""
+    text = error.read().decode(errors="replace")[:limit]
+    try:
+        detail = json.loads(text)["detail"]
+    except (ValueError, KeyError, TypeError):
+        return text
+    return detail if isinstance(detail, str) else json.dumps(detail)[:limit]
+
+
+def join_url(base: str) -> str:
+    """``/api/join`` with this crowdtrain's version and protocol: a coordinator of another protocol
+    answers 409 with the line that installs its own (crowdtrain.release)."""
+    from crowdtrain.release import this_crowdtrain
+
+    return f"{base}/api/join?{urllib.parse.urlencode(this_crowdtrain())}"
+
+
+def check_same_protocol(info: dict, base: str) -> None:
+    """Stop unless the coordinator said it runs this crowdtrain's protocol. A coordinator of another
+    protocol answers ``join_url`` with 409 itself; this catches one from before protocol numbers,
+    which ignores the question."""
+    from crowdtrain.release import PROTOCOL, full_version
+
+    if not isinstance(info, dict):
+        return  # not join information at all: check_join_info says what is wrong with it
+    theirs = info.get("crowdtrain")
+    protocol = theirs.get("protocol") if isinstance(theirs, dict) else None
+    install = theirs.get("install") if isinstance(theirs, dict) and isinstance(theirs.get("install"), str) else None
+    if protocol == PROTOCOL:
+        version = theirs.get("version")
+        if isinstance(version, str) and version != full_version():
+            logger.info("this crowdtrain (%s) is another build than the coordinator's (%s); both speak protocol %d, "
+                        "so it trains with the run. The coordinator's own: %s", full_version(), version[:60],
+                        PROTOCOL, (install or "")[:1000])
+        return
+    said = f"protocol {protocol!r}" if protocol is not None else "no protocol number (an older crowdtrain)"
+    fix = (f"Install the coordinator's crowdtrain, then join again:\n\n    {install[:1000]}\n" if install else
+           "Ask the organizer which crowdtrain the run uses (or to upgrade the coordinator), install it, and "
+           "join again.")
+    raise ValueError(f"the coordinator at {base} runs a crowdtrain of {said}; this one is {full_version()} "
+                     f"(protocol {PROTOCOL}) and cannot train with it. {fix}")
+
+
+def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, api_key: str | None = None) -> dict:
+    """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``.
+    ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its users).
+
+    A refused first connection is most often a wrong address (a typo'd port), so that is said at
+    once, before the retries that wait for a coordinator that is still starting."""
+    deadline = time.monotonic() + patience_s
+    delay, last = 1.0, None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    where = urllib.parse.urlsplit(url)
+    address = f"{where.hostname}:{where.port or (443 if where.scheme == 'https' else 80)}"
+    first = True
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                raise ValueError(f"{url} answered {e.code}: {_detail(e)}") from e
+            last = e  # 503 while the run starts: retry
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            last = e
+            if first and _refused(e):
+                logger.warning("no coordinator is listening at %s: check the address you gave `crowdtrain join` "
+                               "(host and port, as the organizer's join page shows it). Retrying for %.0f s in "
+                               "case it is still starting", address, patience_s)
+        first = False
+        if time.monotonic() + delay > deadline:
+            hint = (f"nothing listens at {address}: check the address (host and port)" if _refused(last)
+                    else "check the address and that it is running")
+            raise ValueError(f"cannot reach the coordinator at {url} ({last}); {hint}")
+        logger.warning("coordinator not answering (%s); retrying in %.0fs", last, delay)
+        time.sleep(delay)
+        delay = min(2 * delay, 10.0)

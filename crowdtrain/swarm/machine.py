@@ -251,8 +251,7 @@ def describe_device_and_batch(coordinator: str, *, device: str = AUTO, batch_siz
                               precision: str = "fp32") -> str:
     """The device and batch size ``crowdtrain join COORDINATOR`` would use here, as its start-up
     lines say them (the join notebook shows them before it starts the peer)."""
-    from crowdtrain.swarm.join_info import check_join_info
-    from crowdtrain.swarm.peer import check_same_protocol, fetch_json, join_url
+    from crowdtrain.swarm.join_info import check_join_info, check_same_protocol, fetch_json, join_url
 
     base = coordinator.rstrip("/")
     info = fetch_json(join_url(base), patience_s=30)

@@ -1,4 +1,5 @@
-"""The swarm optimizer: hivemind.Optimizer around an 8-bit LAMB, with the paper's schedule.
+"""The swarm optimizer: hivemind.Optimizer around an 8-bit LAMB (``crowdtrain.swarm.lamb``), with
+the paper's schedule; ``build_optimizer`` picks this (sync mode) or ``crowdtrain.swarm.diloco``.
 
 Each peer accumulates gradients at its own pace; when the swarm together reaches
 ``target_batch_size`` samples, peers average gradients (weighted by samples), every peer applies
@@ -14,7 +15,6 @@ import time
 from functools import partial
 from typing import Callable
 
-import bitsandbytes as bnb
 import hivemind
 import torch
 from hivemind.averaging.control import AveragingStage
@@ -24,68 +24,16 @@ from crowdtrain.optim import Schedule, param_groups
 from crowdtrain.swarm.auth import AccessGuard
 from crowdtrain.swarm import metrics as swarm_metrics
 from crowdtrain.swarm.compression import PaperCompression
+from crowdtrain.swarm.diloco import DiLoCoOptimizer
 from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.swarm.hivemind_seam import check_hivemind_version
 from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam, RoundHooks
+from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import make_aggregator
 from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, peers_behind,
                                      release_scheduled, swarm_epoch_now)
 
 logger = logging.getLogger(__name__)
-
-
-class ClippedLAMB8bit(bnb.optim.AdamW8bit):
-    """LAMB with bitsandbytes' 8-bit Adam statistics, that first clips the (averaged) gradient's
-    global norm.
-
-    Its statistics exist from construction (zeros, step 0), as they would before a first step.
-    hivemind runs one optimizer step on zero gradients to create the state of an optimizer that
-    has none; for Adam-like rules that step counts in the bias correction, so every real step
-    after it was corrected as one step later: the first update came out 0.74x as large, and
-    the swarm stopped matching one process with the same settings (tests/test_equivalence.py).
-    """
-
-    def __init__(self, params, *, clip_grad_norm: float, **kwargs):
-        # Not bitsandbytes' LAMB8bit: its 8-bit kernels (tensors of 4096+ elements) ignore the
-        # trust ratio, so the big matrices take plain Adam steps (50-140% of a weight's norm in
-        # one step at lr 0.01, where LAMB moves it by lr = 1%), and its 32-bit path clips the
-        # update to the weight's norm, so zero-initialised biases never move. bitsandbytes' AdamW
-        # computes u = adam + weight_decay * w here, ``update_step`` scales it by the trust ratio.
-        super().__init__(params, **kwargs)
-        self.clip_grad_norm = clip_grad_norm
-        for gindex, group in enumerate(self.param_groups):
-            for pindex, p in enumerate(group["params"]):
-                if len(self.state[p]) == 0:
-                    self.init_state(group, p, gindex, pindex)
-
-    @torch.no_grad()
-    def update_step(self, group, p, gindex, pindex):
-        """bitsandbytes' Adam step (with decoupled weight decay), scaled per matrix by LAMB's trust
-        ratio ||w|| / ||u||: the step moves a matrix by ``lr`` times its norm (a matrix or update of
-        norm zero takes the plain step). Vectors (biases, norms' gains, LayerScale) take the plain
-        AdamW step: the layer-wise ratio would pin a zero-initialised bias at zero and move a
-        gain of ones by ``lr`` times sqrt(width) at once."""
-        if p.dim() < 2:  # biases, norms, LayerScale: plain AdamW steps, as BERT's LAMB excludes them
-            return super().update_step(group, p, gindex, pindex)
-        before = p.detach().clone()
-        super().update_step(group, p, gindex, pindex)
-        step = p.detach() - before
-        weight_norm, step_norm = before.float().norm(), step.float().norm()
-        if weight_norm > 0 and step_norm > 0:
-            trust = (group["lr"] * weight_norm / step_norm).item()  # ||step|| = lr * ||u||
-            p.copy_(before.add_(step, alpha=trust))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if self.clip_grad_norm and params:
-            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        return super().step(closure)
-
-
-def make_lamb(params, config: SwarmConfig) -> ClippedLAMB8bit:
-    return ClippedLAMB8bit(params, lr=config.lr, betas=config.betas, eps=config.eps,
-                           weight_decay=config.weight_decay, clip_grad_norm=config.clip_grad_norm)
 
 
 def make_scheduler(optimizer, config: SwarmConfig, schedule: Schedule | None = None):
@@ -536,8 +484,6 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
     check_hivemind_version()
     uploads = {"max_state_uploads": config.max_state_uploads, "upload_delay_s": upload_delay_s}
     if config.mode == "diloco":
-        from crowdtrain.swarm.diloco import DiLoCoOptimizer
-
         return DiLoCoOptimizer(dht=dht, model=model, config=config, batch_size=batch_size, client_mode=client_mode,
                                attack=attack, verbose=verbose, access_guard=access_guard, final_epoch=final_epoch,
                                state_uploads=uploads, schedule=schedule)

@@ -17,8 +17,6 @@ import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -86,91 +84,6 @@ class VolunteerConfig:
         parse_fault(self.fault)
         if self.client_mode and self.host not in ("0.0.0.0", "127.0.0.1"):
             logger.warning("--host is ignored in --client-mode: client peers accept no connections")
-
-
-def _refused(error: BaseException) -> bool:
-    """Connection refused: the host answered, and nothing listens on that port."""
-    return isinstance(getattr(error, "reason", error), ConnectionRefusedError)
-
-
-def _detail(error: urllib.error.HTTPError, limit: int = 2000) -> str:
-    """An error answer's ``detail`` (the coordinator says what is wrong there), else its text."""
-    text = error.read().decode(errors="replace")[:limit]
-    try:
-        detail = json.loads(text)["detail"]
-    except (ValueError, KeyError, TypeError):
-        return text
-    return detail if isinstance(detail, str) else json.dumps(detail)[:limit]
-
-
-def join_url(base: str) -> str:
-    """``/api/join`` with this crowdtrain's version and protocol: a coordinator of another protocol
-    answers 409 with the line that installs its own (crowdtrain.release)."""
-    from crowdtrain.release import this_crowdtrain
-
-    return f"{base}/api/join?{urllib.parse.urlencode(this_crowdtrain())}"
-
-
-def check_same_protocol(info: dict, base: str) -> None:
-    """Stop unless the coordinator said it runs this crowdtrain's protocol. A coordinator of another
-    protocol answers ``join_url`` with 409 itself; this catches one from before protocol numbers,
-    which ignores the question."""
-    from crowdtrain.release import PROTOCOL, full_version
-
-    if not isinstance(info, dict):
-        return  # not join information at all: check_join_info says what is wrong with it
-    theirs = info.get("crowdtrain")
-    protocol = theirs.get("protocol") if isinstance(theirs, dict) else None
-    install = theirs.get("install") if isinstance(theirs, dict) and isinstance(theirs.get("install"), str) else None
-    if protocol == PROTOCOL:
-        version = theirs.get("version")
-        if isinstance(version, str) and version != full_version():
-            logger.info("this crowdtrain (%s) is another build than the coordinator's (%s); both speak protocol %d, "
-                        "so it trains with the run. The coordinator's own: %s", full_version(), version[:60],
-                        PROTOCOL, (install or "")[:1000])
-        return
-    said = f"protocol {protocol!r}" if protocol is not None else "no protocol number (an older crowdtrain)"
-    fix = (f"Install the coordinator's crowdtrain, then join again:\n\n    {install[:1000]}\n" if install else
-           "Ask the organizer which crowdtrain the run uses (or to upgrade the coordinator), install it, and "
-           "join again.")
-    raise ValueError(f"the coordinator at {base} runs a crowdtrain of {said}; this one is {full_version()} "
-                     f"(protocol {PROTOCOL}) and cannot train with it. {fix}")
-
-
-def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, api_key: str | None = None) -> dict:
-    """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``.
-    ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its users).
-
-    A refused first connection is most often a wrong address (a typo'd port), so that is said at
-    once, before the retries that wait for a coordinator that is still starting."""
-    deadline = time.monotonic() + patience_s
-    delay, last = 1.0, None
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    where = urllib.parse.urlsplit(url)
-    address = f"{where.hostname}:{where.port or (443 if where.scheme == 'https' else 80)}"
-    first = True
-    while True:
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            if e.code < 500:
-                raise ValueError(f"{url} answered {e.code}: {_detail(e)}") from e
-            last = e  # 503 while the run starts: retry
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            last = e
-            if first and _refused(e):
-                logger.warning("no coordinator is listening at %s: check the address you gave `crowdtrain join` "
-                               "(host and port, as the organizer's join page shows it). Retrying for %.0f s in "
-                               "case it is still starting", address, patience_s)
-        first = False
-        if time.monotonic() + delay > deadline:
-            hint = (f"nothing listens at {address}: check the address (host and port)" if _refused(last)
-                    else "check the address and that it is running")
-            raise ValueError(f"cannot reach the coordinator at {url} ({last}); {hint}")
-        logger.warning("coordinator not answering (%s); retrying in %.0fs", last, delay)
-        time.sleep(delay)
-        delay = min(2 * delay, 10.0)
 
 
 def download_asset(url: str, sha256: str, cache_dir: Path) -> Path:
@@ -243,6 +156,8 @@ class _Stop:
 
 
 def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) -> dict:
+    from crowdtrain.swarm.join_info import check_join_info, check_same_protocol, fetch_json, join_url
+
     base = config.coordinator_url.rstrip("/")
     # First, before seconds of imports (hivemind, bitsandbytes): a wrong address is said at once.
     # Says which crowdtrain this is: a coordinator of another protocol answers with the line that
@@ -257,7 +172,6 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
 
     from crowdtrain.swarm import metrics as swarm_metrics
     from crowdtrain.swarm.attacks import attack_from_fault, upload_delay_from_fault
-    from crowdtrain.swarm.join_info import check_join_info
     from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
     from crowdtrain.swarm.rounds import swarm_at_start, swarm_epoch_now
     from crowdtrain.noise import drop_exit_noise

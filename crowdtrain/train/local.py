@@ -82,7 +82,7 @@ def make_optimizer(model: torch.nn.Module, config: LocalTrainConfig) -> torch.op
     groups = param_groups(model, config.weight_decay)
     if config.optimizer == "lamb8bit":
         from crowdtrain.runspec.swarm import SwarmConfig
-        from crowdtrain.swarm.optimizer import make_lamb
+        from crowdtrain.swarm.lamb import make_lamb
 
         return make_lamb(groups, SwarmConfig(lr=config.lr, weight_decay=config.weight_decay,
                                              clip_grad_norm=config.clip_grad_norm))

@@ -1,0 +1,68 @@
+"""The swarm's 8-bit LAMB: the inner optimizer of sync mode, and of DiLoCo mode with
+``inner_optimizer="lamb8bit"``; also what ``train/local.py`` compares a swarm against.
+
+Both optimizer modes build it from here (``crowdtrain.swarm.optimizer`` for sync mode,
+``crowdtrain.swarm.diloco`` for DiLoCo), so neither imports the other for it. It needs
+bitsandbytes, not hivemind.
+"""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import torch
+
+from crowdtrain.runspec.swarm import SwarmConfig
+
+
+class ClippedLAMB8bit(bnb.optim.AdamW8bit):
+    """LAMB with bitsandbytes' 8-bit Adam statistics, that first clips the (averaged) gradient's
+    global norm.
+
+    Its statistics exist from construction (zeros, step 0), as they would before a first step.
+    hivemind runs one optimizer step on zero gradients to create the state of an optimizer that
+    has none; for Adam-like rules that step counts in the bias correction, so every real step
+    after it was corrected as one step later: the first update came out 0.74x as large, and
+    the swarm stopped matching one process with the same settings (tests/test_equivalence.py).
+    """
+
+    def __init__(self, params, *, clip_grad_norm: float, **kwargs):
+        # Not bitsandbytes' LAMB8bit: its 8-bit kernels (tensors of 4096+ elements) ignore the
+        # trust ratio, so the big matrices take plain Adam steps (50-140% of a weight's norm in
+        # one step at lr 0.01, where LAMB moves it by lr = 1%), and its 32-bit path clips the
+        # update to the weight's norm, so zero-initialised biases never move. bitsandbytes' AdamW
+        # computes u = adam + weight_decay * w here, ``update_step`` scales it by the trust ratio.
+        super().__init__(params, **kwargs)
+        self.clip_grad_norm = clip_grad_norm
+        for gindex, group in enumerate(self.param_groups):
+            for pindex, p in enumerate(group["params"]):
+                if len(self.state[p]) == 0:
+                    self.init_state(group, p, gindex, pindex)
+
+    @torch.no_grad()
+    def update_step(self, group, p, gindex, pindex):
+        """bitsandbytes' Adam step (with decoupled weight decay), scaled per matrix by LAMB's trust
+        ratio ||w|| / ||u||: the step moves a matrix by ``lr`` times its norm (a matrix or update of
+        norm zero takes the plain step). Vectors (biases, norms' gains, LayerScale) take the plain
+        AdamW step: the layer-wise ratio would pin a zero-initialised bias at zero and move a
+        gain of ones by ``lr`` times sqrt(width) at once."""
+        if p.dim() < 2:  # biases, norms, LayerScale: plain AdamW steps, as BERT's LAMB excludes them
+            return super().update_step(group, p, gindex, pindex)
+        before = p.detach().clone()
+        super().update_step(group, p, gindex, pindex)
+        step = p.detach() - before
+        weight_norm, step_norm = before.float().norm(), step.float().norm()
+        if weight_norm > 0 and step_norm > 0:
+            trust = (group["lr"] * weight_norm / step_norm).item()  # ||step|| = lr * ||u||
+            p.copy_(before.add_(step, alpha=trust))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.clip_grad_norm and params:
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        return super().step(closure)
+
+
+def make_lamb(params, config: SwarmConfig) -> ClippedLAMB8bit:
+    return ClippedLAMB8bit(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                           weight_decay=config.weight_decay, clip_grad_norm=config.clip_grad_norm)
