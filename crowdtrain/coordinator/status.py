@@ -57,8 +57,7 @@ def run_status(run_dir: Path, store: Store) -> dict:
                                 target_batch_size=swarm.get("target_batch_size") or status.target_batch_size)
         if not total and schedule is not None and schedule.get("time_budget_s") and schedule.get("started"):
             eta_s = max(0.0, schedule["started"] + schedule["time_budget_s"] - time.time())  # the budget's end
-    # A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
-    live = [{k: v for k, v in p.items() if k != "maddrs"} for p in live]
+    live = _public_peers(status)
     losses = [p["loss"] for p in live]
     task = info.task if info is not None else {}
     problems = [p for p in (info_problem, status_problem, _memorising(store), turned_away(store.counters())) if p]
@@ -74,6 +73,20 @@ def run_status(run_dir: Path, store: Store) -> dict:
             "last_checkpoint_epoch": status.last_checkpoint_epoch, "updated": status.updated,
             "peers": live, "model": task.get("model", {}), "data": task.get("data"),
             "rounds": status.rounds if isinstance(status.rounds, dict) else {}, "problems": problems}
+
+
+# A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
+# Identity keys and their proofs (700 of a record's 1,100 bytes) are for the DHT's checks: no
+# reader of the status needs them, and 200 dashboards download the list every 5 s.
+_PRIVATE_FIELDS = frozenset({"maddrs", "identity", "identity_proof"})
+_last_public: list = [None, []]  # [the RunStatus it was made from, the list]; read_status reuses objects
+
+
+def _public_peers(status) -> list[dict]:
+    if _last_public[0] is not status:
+        _last_public[:] = [status, [{k: v for k, v in p.items() if k not in _PRIVATE_FIELDS}
+                                    for p in status.peers if isinstance(p, dict)]]
+    return _last_public[1]
 
 
 def rounds_failing(rounds: dict) -> str | None:

@@ -101,14 +101,33 @@ class RunStatus(_Schema):
     epochs_per_second: typing.Optional[float] = None
 
 
+# The last answer per (file, schema), kept with the text it was read from: the web process reads
+# status.json for every /api/status and page (40 times a second under 200 dashboards), the
+# auxiliary peer rewrites it every 2 s, and parsing its 1,000 peers was most of each request.
+# Keyed on the whole text, not its mtime, so a rewrite within the clock's tick is never missed.
+_LAST_READ: dict[tuple[Path, type], tuple[str, tuple]] = {}
+
+
 def _read_typed(path: Path, cls):
-    """(the file as ``cls``, None) or (None, a problem that names the file and field); (None, None) if absent."""
+    """(the file as ``cls``, None) or (None, a problem that names the file and field); (None, None) if
+    absent. The same text gives the same (frozen) object back: treat it as read-only."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None, None
     except (OSError, UnicodeDecodeError) as e:
         return None, f"{path.name}: cannot read it ({e})"
+    last = _LAST_READ.get((path, cls))
+    if last is not None and last[0] == text:
+        return last[1]
+    answer = _parse_typed(path, cls, text)
+    if len(_LAST_READ) > 64:  # many run folders in one process (tests): keep the table small
+        _LAST_READ.clear()
+    _LAST_READ[(path, cls)] = (text, answer)
+    return answer
+
+
+def _parse_typed(path: Path, cls, text: str):
     try:
         return typed_config(cls, json.loads(text), path.name), None
     except json.JSONDecodeError as e:
