@@ -23,12 +23,16 @@ from tests.test_hostile_requests import run_json
 # What goes over the wire at each protocol: the DHT records' schemas, the token's signed bytes and
 # the token request's fields. A change here without a new protocol number would let two
 # crowdtrains that cannot train together meet in one swarm.
-WIRE_DIGESTS = {1: "547a089516b5e1f4"}
+WIRE_DIGESTS = {1: "1a651bc36e928138"}
 
 
 def wire_digest() -> str:
-    from crowdtrain.swarm.metrics import RunSchema
+    from crowdtrain.swarm.metrics import RunSchema, make_validators
 
+    # The schema as peers enforce it: hivemind's SchemaValidator patches the models it checks
+    # (every field required), in every peer's process, once any validator exists.
+    make_validators("wire")
+    RunSchema.__schema_cache__.clear()
     key = load_identity_for_digest()
     wire = {"records": RunSchema.schema(),  # pydantic v1 models, as hivemind uses
             "token": token_payload("user", b"ssh-rsa KEY", "2026-01-01").decode(),
