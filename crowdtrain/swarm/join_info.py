@@ -202,6 +202,13 @@ def join_url(base: str) -> str:
     return f"{base}/api/join?{urllib.parse.urlencode(this_crowdtrain())}"
 
 
+def coordinator_install_line(info: dict) -> str | None:
+    """The line that installs the coordinator's crowdtrain, as its join information gives it."""
+    theirs = info.get("crowdtrain") if isinstance(info, dict) else None
+    install = theirs.get("install") if isinstance(theirs, dict) else None
+    return install[:1000] if isinstance(install, str) else None
+
+
 def check_same_protocol(info: dict, base: str) -> None:
     """Stop unless the coordinator said it runs this crowdtrain's protocol. A coordinator of another
     protocol answers ``join_url`` with 409 itself; this catches one from before protocol numbers,
@@ -212,16 +219,16 @@ def check_same_protocol(info: dict, base: str) -> None:
         return  # not join information at all: check_join_info says what is wrong with it
     theirs = info.get("crowdtrain")
     protocol = theirs.get("protocol") if isinstance(theirs, dict) else None
-    install = theirs.get("install") if isinstance(theirs, dict) and isinstance(theirs.get("install"), str) else None
+    install = coordinator_install_line(info)
     if protocol == PROTOCOL:
         version = theirs.get("version")
         if isinstance(version, str) and version != full_version():
             logger.info("this crowdtrain (%s) is another build than the coordinator's (%s); both speak protocol %d, "
                         "so it trains with the run. The coordinator's own: %s", full_version(), version[:60],
-                        PROTOCOL, (install or "")[:1000])
+                        PROTOCOL, install or "")
         return
     said = f"protocol {protocol!r}" if protocol is not None else "no protocol number (an older crowdtrain)"
-    fix = (f"Install the coordinator's crowdtrain, then join again:\n\n    {install[:1000]}\n" if install else
+    fix = (f"Install the coordinator's crowdtrain, then join again:\n\n    {install}\n" if install else
            "Ask the organizer which crowdtrain the run uses (or to upgrade the coordinator), install it, and "
            "join again.")
     raise ValueError(f"the coordinator at {base} runs a crowdtrain of {said}; this one is {full_version()} "

@@ -107,9 +107,10 @@ def check_fingerprint(info: dict, model_config) -> None:
 
     mine = architecture_fingerprint(model_config)
     if mine != info["fingerprint"]:
-        theirs = info.get("crowdtrain")
-        install = theirs.get("install") if isinstance(theirs, dict) else None
-        how = f":\n\n    {install[:1000]}\n\n" if isinstance(install, str) else " "
+        from crowdtrain.swarm.join_info import coordinator_install_line
+
+        install = coordinator_install_line(info)
+        how = f":\n\n    {install}\n\n" if install else " "
         raise ValueError(
             f"this peer's model (fingerprint {mine}) differs from the run's ({info['fingerprint']}): "
             f"its crowdtrain builds different weights for this run's config. Install the crowdtrain the "
