@@ -1,4 +1,5 @@
-"""The README's dashboard picture, from a real run: a coordinator and three volunteers on 127.0.0.1.
+"""The dashboard picture (docs/img/dashboard.png, shown on docs/dashboard.md) from a real run: a
+coordinator and three volunteers on 127.0.0.1.
 
 alice and bob start together, carol joins a quarter of the way in and bob leaves at two thirds
 (of --minutes, counted from the first global epoch), so the charts show churn; at the end

@@ -47,7 +47,7 @@ def postgres():
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request, tmp_path):
-    """An empty database of each kind the README promises: a SQLite file, a PostgreSQL database."""
+    """An empty database of each kind docs/dashboard.md promises: a SQLite file, a PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'coordinator.sqlite'}"
     return request.getfixturevalue("postgres").new_database()

@@ -1,4 +1,4 @@
-"""The coordinator on a real PostgreSQL (`--db postgresql://...`), as the README promises: a run's
+"""The coordinator on a real PostgreSQL (`--db postgresql://...`), as docs/dashboard.md promises: a run's
 rows go there, and a restart of the coordinator loses none of them. The storage tests of
 tests/test_coordinator_db.py run on both SQLite and PostgreSQL (the ``db_url`` fixture)."""
 
