@@ -8,7 +8,8 @@ parser; every ``crowdtrain/...``, ``benchmarks/...``, ``tests/...``, ``examples/
 ``docs/...`` path exists (and a ``tests/x.py::name`` names a function of that file); every
 dotted ``crowdtrain.x.y`` name resolves in the source; the README's relative links (GitHub reads
 them, MkDocs does not) point at files and headings that exist; and the organizer's guide, which
-the coordinator also serves at ``/organize``, has only links that work there.
+the coordinator also serves at ``/organize``, has only links that work there; and every module
+is in the API reference.
 """
 
 from __future__ import annotations
@@ -242,3 +243,19 @@ def test_the_organizers_guide_has_only_links_that_work_on_the_coordinators_organ
     hrefs = re.findall(r'href="([^"]*)"', html)
     wrong = [h for h in hrefs if not re.match(r"(https?://|/(?!/))", h)]
     assert not wrong, f"links in organize-a-run.md that are broken at /organize: {wrong}"
+
+
+def test_every_module_is_in_the_api_reference():
+    """A new module gets its docstrings into the site: every module of the package is named by a
+    ``::: crowdtrain...`` entry of docs/api/ (command-line modules excepted: `--help` documents
+    them)."""
+    entries = set(re.findall(r"^::: (crowdtrain[\w.]*)", "\n".join(p.read_text() for p in (DOCS / "api").glob("*.md")),
+                             flags=re.M))
+    modules = set()
+    for path in (ROOT / "crowdtrain").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] in ("cli", "__main__") or (parts[-1] == "__init__" and len(parts) == 2):
+            continue
+        modules.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    missing = sorted(modules - entries)
+    assert not missing, f"modules missing from the API reference (add a `::: NAME` line to docs/api/): {missing}"
