@@ -482,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s aux: %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(1)  # the aux peer does no heavy compute; leave the cores to trainers
     run_dir = Path(argv[0])
-    (run_dir / "aux.pid").write_text(str(os.getpid()))  # a restarted coordinator ends a leftover of ours
+    # A restarted coordinator ends a leftover of ours; it and the tests read this file while it is
+    # written, so it is renamed into place whole.
+    files.write_text_atomic(run_dir / "aux.pid", str(os.getpid()))
     forks_die_with_this_process()  # the DHT and averager processes, even if this one is killed
     peer = AuxPeer(run_dir)
 

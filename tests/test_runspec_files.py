@@ -58,3 +58,24 @@ def test_known_peers_of_the_wrong_shape_are_left_out_and_an_unreadable_file_is_n
 def test_a_writer_that_breaks_the_schema_is_stopped_before_the_file_is_written(tmp_path):
     with pytest.raises(ValueError, match="RunStatus.metrics_records_dropped must be an object"):
         files.RunStatus(epoch=1, metrics_records_dropped=3).to_dict()
+
+
+def test_a_file_written_whole_is_never_seen_empty_by_a_reader_in_another_process(tmp_path):
+    """The auxiliary peer's pid file and status are read by the coordinator (and the tests) while
+    they are rewritten: a reader must see the old text or the new, never an empty file."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "aux.pid"
+    path.write_text("1")
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from crowdtrain.runspec import files\n"
+        "for i in range(5000): files.write_text_atomic(Path(sys.argv[1]), str(100000 + i))"), str(path)])
+    seen = set()
+    try:
+        while writer.poll() is None:
+            seen.add(len(path.read_text()))
+    finally:
+        writer.wait(60)
+    assert writer.returncode == 0
+    assert seen <= {1, 6}, f"a reader saw a file of lengths {sorted(seen)}"

@@ -38,11 +38,17 @@ METRICS = "metrics.jsonl"
 KNOWN_PEERS = "known_peers.json"
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed into place: a reader in another
+    process sees the old content or the new, never an empty or half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_json_atomic(path: Path, data) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file renamed into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data))
 
 
 class _Schema:
