@@ -44,8 +44,13 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
+# Two workers, each taking whole test files (their module fixtures, e.g. a shared swarm, start
+# once): run serially, the suite keeps one of two cores busy on average. More workers than two on
+# a 2-core machine would slow the swarm tests' rounds past their margins; TEST_WORKERS=0 runs it
+# serially (and lets `-s` show the tests' prints).
+TEST_WORKERS ?= 2
 test: sysdeps install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PYTHON) benchmarks/run_all.py

@@ -1,9 +1,21 @@
 """Fixtures shared by the tests: real-process swarms, and the database URLs (SQLite and a real
 PostgreSQL) the coordinator's storage is tested against."""
 
+import os
+
 import pytest
 
 from crowdtrain.launch import LocalSwarm
+
+
+def pytest_configure(config):
+    """``make test`` runs the suite in two worker processes (pytest-xdist, a file at a time per
+    worker): one torch thread each, so the two workers and the swarms they start share the cores
+    instead of oversubscribing them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
