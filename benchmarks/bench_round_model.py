@@ -110,21 +110,47 @@ def check_table(rows: list[dict], cores: float, step_compute_s: float) -> tuple[
     return "\n".join(out), checked
 
 
+SHORT = {"gradient round / epoch": "round/epoch", "round / averaging_timeout_s": "round/timeout",
+         "progress key: a replica's uplink": "progress key", "progress reads: a peer's downlink": "progress reads",
+         "group key in matchmaking: a replica's uplink": "group key", "metrics key: a replica's uplink": "metrics key",
+         "coordinator HTTP: one core": "HTTP", "newcomer's state download / epoch": "state/epoch"}
+
+
+def _loads(loads: dict, limit: float = 0.5) -> str:
+    """The loads at or over ``limit``, largest first."""
+    over = sorted(((v, k) for k, v in loads.items() if v >= limit), reverse=True)
+    return ", ".join(f"{SHORT[k]} {v:.2f}" for v, k in over) or "-"
+
+
 def paper_table(peers=(100, 1000), rates=(10e6, 100e6), groups=(None, 32, 16), **kw) -> tuple[str, list[dict]]:
     rows = []
-    out = [f"{'N':>5} {'link':>8} {'group':>6} {'mix':>4} {'MB up/round':>11} {'round s':>8} {'epoch s':>8} "
-           f"{'DHT hops':>8} {'progress read':>13} {'replica up':>10} {'HTTP req/s':>10} {'state s':>7}  first to break"]
+    out = [f"{'N':>5} {'link':>7} {'group':>5} {'mix':>3} {'MB up':>6} {'round s':>7} {'epoch s':>7} {'hops':>4} "
+           f"{'HTTP/s':>6}  loads >= 0.5, largest (first to break) first"]
     for n in peers:
         for rate in rates:
             for g in groups:
                 c = rm.swarm_costs(rm.Swarm(peers=n, rate_bps=rate, group=g, **kw))
                 rows.append(c)
-                top = c["first_to_break"]
-                out.append(f"{n:>5} {rate / 1e6:>6g}mb {g or 'all':>6} {c['mixing_rounds']:>4} "
-                           f"{c['up_bytes_per_round'] / 1e6:>11.0f} {c['round_s']:>8.1f} {c['epoch_s']:>8.1f} "
-                           f"{c['dht_hops']:>8} {c['progress_read_bytes'] / 1e3:>10.0f} kB "
-                           f"{c['progress_replica_bps'] / 1e6:>5.1f} Mb/s {c['http_requests_per_s']:>10.0f} "
-                           f"{c['state_download_s']:>7.0f}  {top} ({c['loads'][top]:.2f}x)")
+                out.append(f"{n:>5} {rate / 1e6:>4g}Mb {g or 'all':>5} {c['mixing_rounds']:>3} "
+                           f"{c['up_bytes_per_round'] / 1e6:>6.0f} {c['round_s']:>7.1f} {c['epoch_s']:>7.1f} "
+                           f"{c['dht_hops']:>4} {c['http_requests_per_s']:>6.0f}  {_loads(c['loads'])}")
+    return "\n".join(out), rows
+
+
+def settings_table(peers=(100, 1000), rates=(10e6, 100e6), dht_rates=(None, 1e9), samples_per_s: float = 1.0):
+    rows = []
+    out = [f"{'N':>5} {'link':>7} {'DHT servers':>11} {'batch':>8} {'epoch s':>7} {'round s':>7} {'timeout s':>9} "
+           f"{'match s':>7} {'token s':>7}  loads >= 0.5 with these settings"]
+    for n in peers:
+        for rate in rates:
+            for dht in dht_rates:
+                r = rm.recommend(n, rate, group=32, dht_server_rate_bps=dht, samples_per_s_per_peer=samples_per_s)
+                st, c = r["settings"], r["costs"]
+                rows.append({**r, "peers": n, "rate_bps": rate, "dht_server_rate_bps": dht})
+                out.append(f"{n:>5} {rate / 1e6:>4g}Mb {'1 Gbit/s' if dht else 'volunteers':>11} "
+                           f"{st['target_batch_size']:>8} {c['epoch_s']:>7.0f} {c['round_s']:>7.1f} "
+                           f"{st['averaging_timeout_s']:>9.0f} {st['matchmaking_time_s']:>7.0f} "
+                           f"{st['token_lifetime_s']:>7.0f}  {_loads(c['loads'])}")
     return "\n".join(out), rows
 
 
@@ -160,15 +186,10 @@ def main(argv=None) -> int:
     print(f"paper preset ({rm.MODELS['paper'].params / 1e6:.1f}M parameters, "
           f"{rm.MODELS['paper'].wire_bytes / 1e6:.1f} MB per gradient copy), target batch {args.target_batch_size}, "
           f"{args.samples_per_s:g} samples/s per peer, RTT 50 ms\n" + table)
-    big = [rm.swarm_costs(rm.Swarm(peers=1000, rate_bps=r, group=32, target_batch_size=b, matchmaking_time_s=m,
-                                   averaging_timeout_s=t, token_lifetime_s=3600, samples_per_s_per_peer=args.samples_per_s))
-           for r, b, m, t in ((10e6, 131072, 10.0, 600.0), (100e6, 32768, 10.0, 120.0))]
-    print("\nN = 1000, groups of 32, settings that keep it working (target batch 131072 / 32768, matchmaking 10 s, "
-          "averaging timeout 600 / 120 s, token lifetime 3600 s):")
-    for c in big:
-        print(f"  {c['rate_bps'] / 1e6:g} Mbit/s: round {c['round_s']:.1f} s in an epoch of {c['epoch_s']:.0f} s; loads "
-              + ", ".join(f"{k} {v:.2f}" for k, v in c["loads"].items()))
-    result.update(paper=paper, paper_settings=kw, settings_that_work=big)
+    table, settings = settings_table(samples_per_s=args.samples_per_s)
+    print("\nGroups of 32, the settings roundmodel.recommend() picks; DHT servers: whose links hold the DHT's "
+          "records (the volunteers', or 1 Gbit/s hosts with volunteers' DHT in client mode)\n" + table)
+    result.update(paper=paper, paper_settings=kw, settings_that_work=settings)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -49,11 +49,12 @@ STATE_BYTES_PER_PARAM = 4.0  # a newcomer's download: the churn row, 74.6 s at 1
 DHT_BUCKET = 20  # hivemind's k: a lookup's last hop lands in a bucket of this many
 COORDINATOR_CPU_MS_PER_REQUEST = 11.0  # bench_coordinator_load, 1,000 volunteers + 200 viewers
 COORDINATOR_CORES = 1.0  # one uvicorn process: one core
-# Record sizes on the wire, from the fields (the subkey is the signer's RSA public key, the
-# value carries an RSA signature): hivemind's progress record, crowdtrain's metrics record and
-# round counts (crowdtrain.swarm.metrics).
-PROGRESS_RECORD_BYTES = 900
-METRICS_RECORD_BYTES = 2100 + 1000
+# Record sizes, measured (msgpack of a signed record as the DHT stores it: the subkey is the
+# signer's RSA public key, the value carries its RSA signature, plus the expiration): hivemind's
+# progress record, crowdtrain's metrics record plus its round counts (crowdtrain.swarm.metrics).
+PROGRESS_RECORD_BYTES = 890
+METRICS_RECORD_BYTES = 1950 + 820
+GROUP_KEY_RECORD_BYTES = 60  # an averager's declaration: its peer ID, a flag, an expiration (estimated)
 DHT_REPLICAS = 5  # hivemind's num_replicas: nodes that store (and answer for) each key
 
 # ---- periods from the code ------------------------------------------------------------------------
@@ -159,9 +160,10 @@ class Swarm:
     averaging_timeout_s: float = 60.0
     token_lifetime_s: float = 600.0
     viewers: int = 50
-    joins_per_hour: float = 0.0  # newcomers (and returning peers) that download the state
-    max_state_uploads: int = 2
-    client_share: float = 0.0  # share of peers in client mode
+    client_share: float = 0.0  # share of peers in client mode (no DHT records, no reduction)
+    # The links of the peers that are DHT servers (store records): None, the volunteers' own;
+    # with slow volunteers in client mode, the coordinator's and the fast peers'.
+    dht_server_rate_bps: float | None = None
     cpu_s_per_wire_byte: float = CPU_S_PER_WIRE_BYTE  # per-peer CPU of a round; a faster CPU, lower
 
     def __post_init__(self):
@@ -175,7 +177,8 @@ class Swarm:
 
 def swarm_costs(s: Swarm) -> dict:
     """Per round and per second: what a run of ``s`` costs its links, its DHT and its coordinator,
-    and the share of capacity each takes (``load``: over 1 breaks)."""
+    and the share of its capacity each takes (``loads``: 1 or more breaks it; ``first_to_break``
+    is the largest)."""
     size = MODELS[s.model]
     g = min(s.group or s.peers, s.peers)
     servers = max(1, round(g * (1 - s.client_share)))
@@ -188,33 +191,77 @@ def swarm_costs(s: Swarm) -> dict:
     # key's read, each a lookup of `hops` round trips, and one join request per follower.
     matchmaking_s = s.matchmaking_time_s + (2 * hops + 1) * s.rtt_s
     epoch_s = s.target_batch_size / (s.peers * s.samples_per_s_per_peer)
-    # hivemind's progress tracker: each peer reads the whole progress key (one record per peer)
-    # every refresh, at most every max(2 s, matchmaking_time_s) and as often as every 0.5 s near
-    # an epoch's end; the key's replicas answer all of them.
+    replica_bps = s.dht_server_rate_bps or s.rate_bps
+    # Hot DHT keys: one record per peer under one key, stored on DHT_REPLICAS nodes, and read with
+    # latest=True, which asks every node of the key's neighbourhood: each replica sends its whole
+    # dictionary to each reader. Bytes per read grow as N, readers as N: N^2 per period.
+    # - hivemind's progress tracker: every peer, every refresh (at most max(2 s,
+    #   matchmaking_time_s) apart, down to 0.5 s near an epoch's end);
+    # - the averagers' group key during matchmaking: every peer, every min(1 s, matchmaking/10)
+    #   (crowdtrain's throttle), while it looks for a group;
+    # - the metrics key: the auxiliary peer alone, every AUX_REFRESH_S.
     refresh_s = max(2.0, s.matchmaking_time_s)
-    progress_read = s.peers * PROGRESS_RECORD_BYTES
-    progress_peer_bps = progress_read * 8 / refresh_s
-    progress_replica_bps = s.peers * progress_read * 8 / refresh_s / DHT_REPLICAS
-    aux_read_bps = s.peers * METRICS_RECORD_BYTES * 8 / AUX_REFRESH_S
+    progress_dict = s.peers * PROGRESS_RECORD_BYTES
+    progress_peer_bps = DHT_REPLICAS * progress_dict * 8 / refresh_s
+    progress_replica_bps = s.peers * progress_dict * 8 / refresh_s
+    lookup_s = min(1.0, max(0.1, s.matchmaking_time_s / 10))
+    group_dict = s.peers * GROUP_KEY_RECORD_BYTES
+    group_replica_bps = s.peers * group_dict * 8 / lookup_s
+    aux_read_bps = DHT_REPLICAS * s.peers * METRICS_RECORD_BYTES * 8 / AUX_REFRESH_S
+    metrics_replica_bps = s.peers * METRICS_RECORD_BYTES * 8 / AUX_REFRESH_S
     http_rps = s.peers / JOIN_POLL_S + s.peers / (s.token_lifetime_s / 4) + s.viewers * DASHBOARD_REQUESTS_PER_S
     http_load = http_rps * COORDINATOR_CPU_MS_PER_REQUEST / 1000 / COORDINATOR_CORES
     state_bytes = STATE_BYTES_PER_PARAM * size.params
     state_s = state_bytes * FRAMING * 8 / s.rate_bps  # one donor's uplink, whole, to one newcomer
-    donors = max(1, s.peers - round(s.peers * s.client_share))
-    state_uplink_share = s.joins_per_hour / 3600 * state_s / donors  # of the donors' uplink time
-    # With delayed updates a round overlaps the next epoch's compute: it must end within one epoch.
-    link_load = round_s / epoch_s
-    loads = {"gradient round / epoch": link_load,
-             "round / averaging_timeout_s": round_s / s.averaging_timeout_s,
-             "DHT progress key, replica uplink": progress_replica_bps / s.rate_bps,
-             "DHT progress reads, peer downlink": progress_peer_bps / s.rate_bps,
-             "coordinator HTTP, one core": http_load,
-             "state download / epoch": state_s / epoch_s}
+    loads = {
+        # With delayed updates a round overlaps the next epoch's compute: it must end within it.
+        "gradient round / epoch": round_s / epoch_s,
+        "round / averaging_timeout_s": round_s / s.averaging_timeout_s,
+        "progress key: a replica's uplink": progress_replica_bps / replica_bps,
+        "progress reads: a peer's downlink": progress_peer_bps / s.rate_bps,
+        "group key in matchmaking: a replica's uplink": group_replica_bps / replica_bps,
+        "metrics key: a replica's uplink": metrics_replica_bps / replica_bps,
+        "coordinator HTTP: one core": http_load,
+        # hivemind lets a peer one epoch behind catch up, not more: a newcomer's download must
+        # take less than an epoch, or it downloads again and again.
+        "newcomer's state download / epoch": state_s / epoch_s,
+    }
     return {"peers": s.peers, "rate_bps": s.rate_bps, "group": g, "servers": servers,
             "mixing_rounds": mixing_rounds(s.peers, g), "up_bytes_per_round": max(vol["server_up"], vol["client_up"]),
             "round_s": round_s, "link_s": link_s, "cpu_s": cpu, "matchmaking_s": matchmaking_s,
-            "epoch_s": epoch_s, "dht_hops": hops, "progress_read_bytes": progress_read,
+            "epoch_s": epoch_s, "dht_hops": hops, "progress_read_bytes": DHT_REPLICAS * progress_dict,
             "progress_peer_bps": progress_peer_bps, "progress_replica_bps": progress_replica_bps,
-            "aux_read_bps": aux_read_bps, "http_requests_per_s": http_rps, "state_bytes": state_bytes,
-            "state_download_s": state_s, "state_uplink_share": state_uplink_share, "loads": loads,
+            "group_replica_bps": group_replica_bps, "aux_read_bps": aux_read_bps,
+            "metrics_replica_bps": metrics_replica_bps, "http_requests_per_s": http_rps,
+            "state_bytes": state_bytes, "state_download_s": state_s, "loads": loads,
             "first_to_break": max(loads, key=loads.get)}
+
+
+def recommend(peers: int, rate_bps: float, *, group: int | None = None, dht_server_rate_bps: float | None = None,
+              samples_per_s_per_peer: float = 1.0, model: str = "paper", headroom: float = 1.5) -> dict:
+    """Settings that keep every load the model knows below 1 where settings can, and the costs
+    with them. ``headroom``: how much longer than a round (or a state download) an epoch is.
+
+    - ``target_batch_size``: an epoch ``headroom`` times the gradient round and the newcomer's
+      state download (a power of two);
+    - ``averaging_timeout_s``: twice the round (crowdtrain.runspec.swarm's rule);
+    - ``matchmaking_time_s``: 10 s over the Internet at least, up to 30 s while the progress
+      key's replicas are loaded over half (it also sets the progress tracker's refresh period);
+    - ``token_lifetime_s``: an hour once the volunteers' token renewals weigh on the coordinator.
+    Loads still over 1 with these settings need code, not settings (docs/road-to-a-thousand.md)."""
+    base = Swarm(peers=peers, rate_bps=rate_bps, model=model, group=group, dht_server_rate_bps=dht_server_rate_bps,
+                 samples_per_s_per_peer=samples_per_s_per_peer)
+    first = swarm_costs(base)
+    need_s = headroom * max(first["round_s"], first["state_download_s"])
+    batch = 2 ** math.ceil(math.log2(max(need_s * peers * samples_per_s_per_peer, 1)))
+    replica = dht_server_rate_bps or rate_bps
+    matchmaking = 10.0
+    while matchmaking < 30 and peers ** 2 * PROGRESS_RECORD_BYTES * 8 / max(2.0, matchmaking) > 0.5 * replica:
+        matchmaking += 5.0
+    http_share = peers / (600.0 / 4) * COORDINATOR_CPU_MS_PER_REQUEST / 1000
+    settings = {"target_batch_size": max(batch, 4096), "averaging_timeout_s": max(60.0, math.ceil(2 * first["round_s"])),
+                "matchmaking_time_s": matchmaking, "token_lifetime_s": 3600.0 if http_share > 0.05 else 600.0}
+    tuned = swarm_costs(Swarm(peers=peers, rate_bps=rate_bps, model=model, group=group,
+                              dht_server_rate_bps=dht_server_rate_bps, samples_per_s_per_peer=samples_per_s_per_peer,
+                              **settings))
+    return {"settings": settings, "costs": tuned, "still_over": {k: v for k, v in tuned["loads"].items() if v >= 1}}
