@@ -15,7 +15,7 @@ at 100 and 1,000 peers.
    swarm in one group and groups of 16 and 32: bytes and seconds per round, what takes the largest
    share of its capacity, and each capacity's load.
 
-    python benchmarks/bench_round_model.py [--runs runs/tb-r100-n16 runs/tb-r1000-n16 ...] [--fit]
+    python benchmarks/bench_round_model.py [--runs runs/tb-r100-n16 runs/tb-r1000-n16 ...] [--fit] [--record-sizes]
 
 JSON in benchmarks/results/bench_round_model.json.
 """
@@ -154,6 +154,42 @@ def settings_table(peers=(100, 1000), rates=(10e6, 100e6), dht_rates=(None, 1e9)
     return "\n".join(out), rows
 
 
+def record_sizes() -> dict:
+    """Bytes of one signed record of each hot DHT key as the DHT stores and returns it: the subkey
+    (the signer's RSA public key), the value with its RSA signature, the expiration. Needs
+    hivemind (``roundmodel`` keeps the results as constants)."""
+    import time
+
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils.crypto import RSAPrivateKey
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from crowdtrain.swarm import metrics
+
+    signer, identity = RSASignatureValidator(), RSAPrivateKey()
+    subkey = MSGPackSerializer.dumps(signer.local_public_key)
+
+    def size(key: str, value: dict) -> int:
+        record = DHTRecord(key=DHTID.generate(source=key).to_bytes(), subkey=subkey,
+                           value=MSGPackSerializer.dumps(value), expiration_time=time.time() + 60)
+        return len(subkey) + len(signer.sign_value(record)) + 8
+
+    now = time.time()
+    progress = LocalTrainingProgress(peer_id=b"\x00\x25" + b"x" * 36, epoch=1234, samples_accumulated=100,
+                                     samples_per_second=1.5, time=now, client_mode=False).dict()
+    record = metrics.PeerMetrics(
+        peer_id="Qm" + "x" * 44, epoch=1234, samples=123456, samples_per_second=1.5, loss=3.21, steps=1000, time=now,
+        client_mode=False, last_round_peers=32, swarm_peers=1000, fingerprint="f" * 64, user="volunteer-123",
+        maddrs=["/ip4/203.0.113.7/tcp/31337/p2p/Qm" + "x" * 44], session="a" * 16, credited_samples=100000,
+        credited_steps=900, **metrics.endorsement(identity, "crowdtrain", signer))
+    counts = metrics.RoundCounts(session="a" * 16, time=now, rounds=1000, rounds_apart=3)
+    return {"progress": size("crowdtrain_progress", progress), "metrics": size("crowdtrain_metrics", record.dict()),
+            "round_counts": size("crowdtrain_round_counts", counts.dict())}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", nargs="*", default=[], help="testbed run folders (with run.json) to check too")
@@ -161,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples-per-s", type=float, default=1.0,
                     help="paper table: one volunteer's samples/s (sets the epoch: target batch / (N x this))")
     ap.add_argument("--target-batch-size", type=int, default=4096, help="paper table: the global batch")
+    ap.add_argument("--record-sizes", action="store_true",
+                    help="measure the hot DHT keys' record sizes with hivemind (roundmodel's constants)")
     ap.add_argument("--out", default=str(RESULTS / "bench_round_model.json"))
     args = ap.parse_args(argv)
 
@@ -172,6 +210,10 @@ def main(argv=None) -> int:
     result = {"constants": {"framing": rm.FRAMING, "cpu_s_per_wire_byte": rm.CPU_S_PER_WIRE_BYTE,
                             "overlap": rm.OVERLAP, "background_cores_per_peer": rm.BACKGROUND_CORES_PER_PEER,
                             "fit_rows": list(rm.FIT_ROWS)}}
+    if args.record_sizes:
+        result["record_sizes"] = record_sizes()
+        print(f"signed DHT records, bytes: {result['record_sizes']} (roundmodel: progress "
+              f"{rm.PROGRESS_RECORD_BYTES}, metrics + round counts {rm.METRICS_RECORD_BYTES})\n")
     if args.fit:
         fit_rows = [r for r in rows if r["name"] in rm.FIT_ROWS]
         result["fit"] = fit(fit_rows, cores, step_compute_s)
