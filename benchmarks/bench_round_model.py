@@ -92,6 +92,24 @@ def fit(rows: list[dict], cores: float, step_compute_s: float) -> dict:
             "rms_log_error": math.sqrt(best[0] / len(rows)), "rows": [r["name"] for r in rows]}
 
 
+def leave_one_out(rows: list[dict], cores: float, step_compute_s: float) -> list[dict]:
+    """Each row predicted by the constants fitted on the other rows: how the model does on a row
+    it has not seen."""
+    out = []
+    saved = rm.CPU_S_PER_WIRE_BYTE, rm.OVERLAP, rm.BACKGROUND_CORES_PER_PEER
+    for r in rows:
+        f = fit([o for o in rows if o is not r], cores, step_compute_s)
+        try:
+            rm.CPU_S_PER_WIRE_BYTE, rm.OVERLAP, rm.BACKGROUND_CORES_PER_PEER = (
+                f["cpu_s_per_wire_byte"], f["overlap"], f["background_cores_per_peer"])
+            p = predict(r, cores, step_compute_s)["round_s"]
+        finally:
+            rm.CPU_S_PER_WIRE_BYTE, rm.OVERLAP, rm.BACKGROUND_CORES_PER_PEER = saved
+        out.append({"row": r["name"], "measured_s": r["round_s"], "predicted_s": p, "ratio": r["round_s"] / p,
+                    "fit": f})
+    return out
+
+
 def check_table(rows: list[dict], cores: float, step_compute_s: float) -> tuple[str, list[dict]]:
     out = [f"{'row':<16} {'N':>3} {'link':>8} {'step s':>6} {'measured s':>10} {'predicted s':>11} {'ratio':>6} "
            f"{'floor s':>7} {'cpu s':>6} {'bytes/butterfly':>15} {'fit?':>4}"]
@@ -219,7 +237,11 @@ def main(argv=None) -> int:
         result["fit"] = fit(fit_rows, cores, step_compute_s)
         result["fit_all"] = fit(rows, cores, step_compute_s)
         print(f"fit on {result['fit']['rows']}: {result['fit']}")
-        print(f"fit on every row: {result['fit_all']}\n")
+        print(f"fit on every row: {result['fit_all']}")
+        result["leave_one_out"] = leave_one_out(fit_rows, cores, step_compute_s)
+        print("each fitted row predicted by the constants fitted on the others: " + ", ".join(
+            f"{x['row']} {x['measured_s']:.2f} s vs {x['predicted_s']:.2f} s ({x['ratio']:.2f})"
+            for x in result["leave_one_out"]) + "\n")
     table, checked = check_table(rows, cores, step_compute_s)
     print("Round time, testbed (measured) vs the model (predicted)\n" + table + "\n")
     result["check"] = checked
