@@ -152,7 +152,7 @@ class Swarm:
     peers: int
     rate_bps: float
     model: str = "paper"
-    group: int | None = None  # None: the whole swarm in one group (crowdtrain's behaviour today)
+    group: int | None = None  # SwarmConfig.target_group_size; None: the whole swarm in one group
     rtt_s: float = 0.05
     samples_per_s_per_peer: float = 1.0  # the paper preset on a volunteer's GPU (bench_gpu measures it)
     target_batch_size: int = 4096
