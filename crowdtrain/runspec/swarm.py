@@ -43,8 +43,7 @@ from dataclasses import dataclass
 SCHEDULE_SETTINGS = ("total_epochs", "warmup_epochs")
 PEER_LOCAL_SETTINGS = ("matchmaking_time_s", "averaging_timeout_s", "load_state_timeout_s", "average_state_every",
                        "compression_threshold", "delay_optimizer_step", "offload_optimizer", "checkpoint_every_epochs",
-                       "max_state_uploads", "clip_radius", "clip_iterations", "outlier_distance", "max_weight_ratio",
-                       "target_group_size")
+                       "max_state_uploads", "clip_radius", "clip_iterations", "outlier_distance", "max_weight_ratio")
 
 MODES = ("sync", "diloco")
 AGGREGATIONS = ("mean", "centered_clip")
@@ -60,12 +59,6 @@ class SwarmConfig:
     matchmaking_time_s: float = 5.0
     averaging_timeout_s: float = 60.0
     load_state_timeout_s: float = 120.0
-    # Peers per averaging group (hivemind's target_group_size; None: the whole swarm in one
-    # group). Past a few dozen peers, groups of 16-64 (a power of two) keep a round from waiting on
-    # the slowest link of the whole swarm and a leader from admitting everyone within
-    # matchmaking_time_s; the swarm's gradients then mix over ceil(log_G N) rounds and a round's
-    # bytes barely change (docs/road-to-a-thousand.md).
-    target_group_size: int | None = None
     # Epochs between parameter/optimizer-state averaging rounds. Gradient averaging already keeps
     # peers in step; a state round re-aligns what drifts (a peer that missed a round, compression
     # noise) but is one more all-reduce per epoch that peers reach at different moments (it runs
@@ -142,11 +135,6 @@ class SwarmConfig:
                              f"{self.checkpoint_every_epochs}")
         if not self.run_id or not self.run_id.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"--run-id must be letters, digits, '-' or '_', got {self.run_id!r}")
-        if self.target_group_size is not None and (
-                isinstance(self.target_group_size, bool) or not isinstance(self.target_group_size, int)
-                or self.target_group_size < self.min_group_size):
-            raise ValueError(f"target_group_size must be None (the whole swarm) or a whole number >= "
-                             f"{self.min_group_size} (--swarm target_group_size=32), got {self.target_group_size!r}")
         if self.max_state_uploads < 1:
             raise ValueError(f"max_state_uploads must be >= 1 (--swarm max_state_uploads=2), got "
                              f"{self.max_state_uploads}")

@@ -295,8 +295,7 @@ class DiLoCoOptimizer:
             # the sync point up to a tracker refresh after another, plus its current step).
             allreduce_timeout=config.averaging_timeout_s,
             next_chunk_timeout=config.next_chunk_timeout_s,
-            min_group_size=config.min_group_size, target_group_size=config.target_group_size,
-            **(state_uploads or {}),
+            min_group_size=config.min_group_size, **(state_uploads or {}),
             client_mode=client_mode, start=True)
         self.global_params = self.averager.global_params
         self.samples_in_round = 0

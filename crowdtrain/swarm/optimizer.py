@@ -504,7 +504,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
         aggregator=make_aggregator(config), attack=attack,
         # request_timeout below min_matchmaking_time avoids rare matchmaking deadlocks.
         averager_opts=dict(request_timeout=config.request_timeout_s,
-                           min_group_size=config.min_group_size, target_group_size=config.target_group_size),
+                           min_group_size=config.min_group_size),
         next_chunk_timeout=config.next_chunk_timeout_s,
         # A peer that sees nobody looks again every 0.5 s (hivemind: every 3 s): peers that start
         # together must see each other before the first step, or each takes it alone and their

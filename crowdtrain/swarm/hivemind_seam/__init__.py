@@ -183,8 +183,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_O}:OptimizerSeam._make_gradient_averager", "hivemind.optim.optimizer:Optimizer._make_gradient_averager",
          "override", "the robust class, no state offers, and averager_opts that upstream gives the state averager only",
          _ROBUST + "test_the_gradient_averager_gets_the_runs_matchmaking_options", "b9a4450197c1e6fb",
-         upstream_fix="pass averager_opts (request_timeout, min_group_size, target_group_size) to the gradient "
-                      "averager too"),
+         upstream_fix="pass averager_opts (request_timeout, min_group_size) to the gradient averager too"),
     Seam(f"{_O}:OptimizerSeam._make_state_averager", "hivemind.optim.optimizer:Optimizer._make_state_averager", "copy",
          "the robust, guarded, consistent state averager with the upload limit",
          _CATCH + "test_a_peer_mid_update_serves_a_copy_never_last_epochs_parameters_as_this_epochs", "59a43eff001c3284"),

@@ -168,8 +168,8 @@ class OptimizerSeam(hivemind.Optimizer):
         # hivemind gives ``averager_opts`` to the state averager only: without them the gradient
         # averager kept hivemind's 3 s request_timeout, not below a 3 s matchmaking time (which
         # hivemind warns can deadlock matchmaking), and ignored ``min_group_size`` (centered_clip's
-        # groups of three) and ``target_group_size`` (groups smaller than the swarm).
-        for name in ("request_timeout", "min_group_size", "target_group_size"):
+        # groups of three).
+        for name in ("request_timeout", "min_group_size"):
             if name in self._averager_opts:
                 kwargs.setdefault(name, self._averager_opts[name])
         factory = factory if factory is not None else GradientAverager
