@@ -162,7 +162,7 @@ def settings_table(peers=(100, 1000), rates=(10e6, 100e6), dht_rates=(None, 1e9)
     for n in peers:
         for rate in rates:
             for dht in dht_rates:
-                r = rm.recommend(n, rate, group=32, dht_server_rate_bps=dht, samples_per_s_per_peer=samples_per_s)
+                r = rm.recommend(n, rate, dht_server_rate_bps=dht, samples_per_s_per_peer=samples_per_s)
                 st, c = r["settings"], r["costs"]
                 rows.append({**r, "peers": n, "rate_bps": rate, "dht_server_rate_bps": dht})
                 out.append(f"{n:>5} {rate / 1e6:>4g}Mb {'1 Gbit/s' if dht else 'volunteers':>11} "
@@ -251,8 +251,9 @@ def main(argv=None) -> int:
           f"{rm.MODELS['paper'].wire_bytes / 1e6:.1f} MB per gradient copy), target batch {args.target_batch_size}, "
           f"{args.samples_per_s:g} samples/s per peer, RTT 50 ms\n" + table)
     table, settings = settings_table(samples_per_s=args.samples_per_s)
-    print("\nGroups of 32, the settings roundmodel.recommend() picks; DHT servers: whose links hold the DHT's "
-          "records (the volunteers', or 1 Gbit/s hosts with volunteers' DHT in client mode)\n" + table)
+    print("\nThe whole swarm in one group (crowdtrain refuses smaller groups), the settings roundmodel.recommend() "
+          "picks; DHT servers: whose links hold the DHT's records (the volunteers', or 1 Gbit/s hosts with "
+          "volunteers' DHT in client mode)\n" + table)
     result.update(paper=paper, paper_settings=kw, settings_that_work=settings)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

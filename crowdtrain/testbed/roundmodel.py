@@ -152,7 +152,7 @@ class Swarm:
     peers: int
     rate_bps: float
     model: str = "paper"
-    group: int | None = None  # SwarmConfig.target_group_size; None: the whole swarm in one group
+    group: int | None = None  # None: the whole swarm in one group (crowdtrain refuses smaller ones)
     rtt_s: float = 0.05
     samples_per_s_per_peer: float = 1.0  # the paper preset on a volunteer's GPU (bench_gpu measures it)
     target_batch_size: int = 4096
@@ -259,7 +259,8 @@ def recommend(peers: int, rate_bps: float, *, group: int | None = None, dht_serv
     while matchmaking < 30 and peers ** 2 * PROGRESS_RECORD_BYTES * 8 / max(2.0, matchmaking) > 0.5 * replica:
         matchmaking += 5.0
     http_share = peers / (600.0 / 4) * COORDINATOR_CPU_MS_PER_REQUEST / 1000
-    settings = {"target_batch_size": max(batch, 4096), "averaging_timeout_s": max(60.0, math.ceil(2 * first["round_s"])),
+    settings = {"target_batch_size": max(batch, 4096),
+                "averaging_timeout_s": max(60.0, math.ceil(2 * first["round_s"])),
                 "matchmaking_time_s": matchmaking, "token_lifetime_s": 3600.0 if http_share > 0.05 else 600.0}
     tuned = swarm_costs(Swarm(peers=peers, rate_bps=rate_bps, model=model, group=group,
                               dht_server_rate_bps=dht_server_rate_bps, samples_per_s_per_peer=samples_per_s_per_peer,
