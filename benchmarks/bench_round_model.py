@@ -50,9 +50,18 @@ def run_row(folder: Path) -> dict:
     raw = json.loads((folder / "run.json").read_text())
     s = analysis.round_stats(raw)
     plan = raw["plan"]
-    if not s.get("full_rounds"):
-        raise ValueError(f"{folder}: no round with every peer; nothing to compare")
     peers = plan["peers"]
+    groups = sorted({r["group_size"] for r in s["rounds"]}, reverse=True)
+    # The analysis counts a round whose members all report the same group; the model is of the
+    # whole swarm's round, so a smaller group (a swarm that split) is no row to check.
+    s["rounds"] = [r for r in s["rounds"] if r.get("full") and r["group_size"] == len(peers)]
+    if not s["rounds"]:
+        raise ValueError(f"{folder}: no round of all {len(peers)} peers (groups formed: {groups})")
+    full = s["rounds"]
+    s.update(round_s_median=statistics.median(r["round_s"] for r in full),
+             floor_s=statistics.median(r["floor_s"] for r in full), ratio_best=min(r["ratio"] for r in full),
+             upload_volume_ratio=statistics.median(r["uploaded_bytes"] / r["expected_upload_bytes"] for r in full),
+             full_rounds=len(full))
     over = sum((raw["peers"].get(p["name"]) or {}).get("over_budget_steps", 0) for p in peers)
     steps = sum((raw["peers"].get(p["name"]) or {}).get("steps", 0) for p in peers)
     return {"name": folder.name, "peers": len(peers), "rate_bps": min(min(p["up_bps"], p["down_bps"]) for p in peers),
@@ -221,13 +230,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     rows, meta = stored_rows()
+    unusable = {}
     for folder in args.runs:
-        row = run_row(Path(folder))
+        try:
+            row = run_row(Path(folder))
+        except ValueError as e:  # a run whose swarm never averaged as one group: say so, go on
+            print(f"not checked: {e}")
+            unusable[folder] = str(e)
+            continue
         rows = [r for r in rows if r["name"] != row["name"]] + [row]
     cores, step_compute_s = meta["cores"], meta["step_compute_s"]
     result = {"constants": {"framing": rm.FRAMING, "cpu_s_per_wire_byte": rm.CPU_S_PER_WIRE_BYTE,
                             "overlap": rm.OVERLAP, "background_cores_per_peer": rm.BACKGROUND_CORES_PER_PEER,
-                            "fit_rows": list(rm.FIT_ROWS)}}
+                            "fit_rows": list(rm.FIT_ROWS)}, "runs_not_checked": unusable}
     if args.record_sizes:
         result["record_sizes"] = record_sizes()
         print(f"signed DHT records, bytes: {result['record_sizes']} (roundmodel: progress "
