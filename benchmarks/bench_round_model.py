@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from crowdtrain.testbed import roundmodel as rm  # noqa: E402
+from crowdtrain.testbed import roundmodel as rm
 
 FIXTURE = ROOT / "tests" / "fixtures" / "testbed_rounds.json"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -89,7 +89,7 @@ def fit(rows: list[dict], cores: float, step_compute_s: float) -> dict:
     try:
         for c in [i * 1e-9 for i in range(5, 61)]:
             for k in (1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 10.0):
-                for b in [i * 0.01 for i in range(0, 21)]:
+                for b in [i * 0.01 for i in range(21)]:
                     rm.CPU_S_PER_WIRE_BYTE, rm.OVERLAP, rm.BACKGROUND_CORES_PER_PEER = c, k, b
                     err = sum(math.log(predict(r, cores, step_compute_s)["round_s"] / r["round_s"]) ** 2
                               for r in rows)
@@ -120,8 +120,8 @@ def leave_one_out(rows: list[dict], cores: float, step_compute_s: float) -> list
 
 
 def check_table(rows: list[dict], cores: float, step_compute_s: float) -> tuple[str, list[dict]]:
-    out = [f"{'row':<16} {'N':>3} {'link':>8} {'step s':>6} {'measured s':>10} {'predicted s':>11} {'ratio':>6} "
-           f"{'floor s':>7} {'cpu s':>6} {'bytes/butterfly':>15} {'fit?':>4}"]
+    out = [(f"{'row':<16} {'N':>3} {'link':>8} {'step s':>6} {'measured s':>10} {'predicted s':>11} {'ratio':>6} "
+           f"{'floor s':>7} {'cpu s':>6} {'bytes/butterfly':>15} {'fit?':>4}")]
     checked = []
     for r in rows:
         p = predict(r, cores, step_compute_s)
@@ -151,8 +151,8 @@ def _loads(loads: dict, limit: float = 0.5) -> str:
 
 def paper_table(peers=(100, 1000), rates=(10e6, 100e6), groups=(None, 32, 16), **kw) -> tuple[str, list[dict]]:
     rows = []
-    out = [f"{'N':>5} {'link':>7} {'group':>5} {'mix':>3} {'MB up':>6} {'round s':>7} {'epoch s':>7} {'hops':>4} "
-           f"{'HTTP/s':>6}  loads >= 0.5, largest (first to break) first"]
+    out = [(f"{'N':>5} {'link':>7} {'group':>5} {'mix':>3} {'MB up':>6} {'round s':>7} {'epoch s':>7} {'hops':>4} "
+           f"{'HTTP/s':>6}  loads >= 0.5, largest (first to break) first")]
     for n in peers:
         for rate in rates:
             for g in groups:
@@ -166,8 +166,8 @@ def paper_table(peers=(100, 1000), rates=(10e6, 100e6), groups=(None, 32, 16), *
 
 def settings_table(peers=(100, 1000), rates=(10e6, 100e6), dht_rates=(None, 1e9), samples_per_s: float = 1.0):
     rows = []
-    out = [f"{'N':>5} {'link':>7} {'DHT servers':>11} {'batch':>8} {'epoch s':>7} {'round s':>7} {'timeout s':>9} "
-           f"{'match s':>7} {'token s':>7}  loads >= 0.5 with these settings"]
+    out = [(f"{'N':>5} {'link':>7} {'DHT servers':>11} {'batch':>8} {'epoch s':>7} {'round s':>7} {'timeout s':>9} "
+           f"{'match s':>7} {'token s':>7}  loads >= 0.5 with these settings")]
     for n in peers:
         for rate in rates:
             for dht in dht_rates:
