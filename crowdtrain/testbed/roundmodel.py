@@ -1,6 +1,6 @@
 """What a gradient round costs as the swarm grows: a model on paper, checked against the testbed.
 
-Pure arithmetic (no torch, no hivemind), so a organizer can size a run before starting one:
+Pure arithmetic (no torch, no hivemind), so an organizer can size a run before starting one:
 ``python benchmarks/bench_round_model.py`` prints the check against the testbed and the table for
 the ``paper`` preset; docs/road-to-a-thousand.md derives and discusses every term.
 
@@ -22,11 +22,12 @@ round's CPU is that of all G peers over the cores left after the peers' backgrou
 padded steps' real computation, their DHT, daemons and trackers: ``BACKGROUND_CORES_PER_PEER``
 plus ``step_compute_s / step_s`` per peer). A real swarm has a machine per peer: ``cores=None``.
 
-**Fitted and derived.** Fitted to testbed rows (``FIT_ROWS`` says which): ``FRAMING``,
-``CPU_S_PER_WIRE_BYTE`` and ``OVERLAP`` (the N = 4 rows at 1 Gbit/s and 100 Mbit/s),
-``BACKGROUND_CORES_PER_PEER`` (the N = 16 control at 1 Gbit/s). Derived from the code: the
+**Fitted and derived.** Fitted to the stored testbed rows (``FIT_ROWS``; N = 2, 4, 8 at
+100 Mbit/s, N = 2 at 10 Mbit/s, the N = 4 control at 1 Gbit/s): ``FRAMING`` (their median
+bytes ratio), ``CPU_S_PER_WIRE_BYTE``, ``OVERLAP`` and ``BACKGROUND_CORES_PER_PEER`` (least
+squares of log round time, ``bench_round_model.py --fit``). Derived from the code: the
 butterfly volume, the gradients' wire bytes (``crowdtrain.swarm.compression.wire_bytes``), the
-record sizes and periods of the DHT and HTTP traffic. Assumed (not measured on this testbed):
+periods of the DHT and HTTP traffic. Measured: the signed DHT records' sizes (``--record-sizes``). Assumed (not measured on this testbed):
 ``LATENCY_RTTS``, per-hop DHT round trips, ``STATE_BYTES_PER_PARAM`` (from the churn row), the
 coordinator's CPU per request (``bench_coordinator_load`` on this 2-core machine).
 """
