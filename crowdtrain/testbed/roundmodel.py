@@ -27,7 +27,8 @@ plus ``step_compute_s / step_s`` per peer). A real swarm has a machine per peer:
 bytes ratio), ``CPU_S_PER_WIRE_BYTE``, ``OVERLAP`` and ``BACKGROUND_CORES_PER_PEER`` (least
 squares of log round time, ``bench_round_model.py --fit``). Derived from the code: the
 butterfly volume, the gradients' wire bytes (``crowdtrain.swarm.compression.wire_bytes``), the
-periods of the DHT and HTTP traffic. Measured: the signed DHT records' sizes (``--record-sizes``). Assumed (not measured on this testbed):
+periods of the DHT and HTTP traffic. Measured: the signed DHT records' sizes
+(``--record-sizes``). Assumed (not measured on this testbed):
 ``LATENCY_RTTS``, per-hop DHT round trips, ``STATE_BYTES_PER_PARAM`` (from the churn row), the
 coordinator's CPU per request (``bench_coordinator_load`` on this 2-core machine).
 """
