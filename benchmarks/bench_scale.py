@@ -139,6 +139,26 @@ def round_times(summaries: dict, mode: str) -> dict:
             "median_trigger_to_start_s": statistics.median(r["wait_s"] for r in rows) if rows else None}
 
 
+def param_spread(tmp: Path, names) -> dict | None:
+    """max_i ||theta_i - mean|| / ||mean|| over the peers' final parameters (``--save-final``),
+    the whole model as one vector."""
+    import torch
+    from safetensors.torch import load_file
+
+    vectors = {}
+    for name in names:
+        path = tmp / f"{name}.safetensors"
+        if path.exists():
+            tensors = load_file(str(path))
+            vectors[name] = torch.cat([tensors[k].flatten().double() for k in sorted(tensors)])
+    if len(vectors) < 2:
+        return None
+    mean = torch.stack(list(vectors.values())).mean(0)
+    apart = {n: ((v - mean).norm() / mean.norm()).item() for n, v in vectors.items()}
+    return {"max": max(apart.values()), "median": statistics.median(apart.values()), "peers": len(apart),
+            "distinct": len({v.sum().item() for v in vectors.values()})}
+
+
 def ledger_check(swarm: LocalSwarm, summaries: dict, timeout: float = 60.0) -> dict:
     """The leaderboard against the peers' ledgers (waiting for the auxiliary peer to read the last
     records), and rounds whose members' weights add up to their reducers' count."""
@@ -224,6 +244,7 @@ def run(args, tmp: Path) -> dict:
             except (OSError, ValueError):
                 pass
         ledger = ledger_check(swarm, summaries)
+        spread = param_spread(tmp, base + new)
         poller.stop.set()
         status = swarm.status()
     finally:
@@ -266,7 +287,7 @@ def run(args, tmp: Path) -> dict:
                       "max": max(lags) if lags else None, "n": len(lags),
                       "median_at_full_swarm": statistics.median(lags_full) if lags_full else None,
                       "status_poll_failures": poller.failures},
-        "ledger": ledger, "storm_newcomers": storm,
+        "ledger": ledger, "param_spread": spread, "storm_newcomers": storm,
         "final_epochs": {n: s.get("final_epoch") for n, s in summaries.items()},
         "status_rounds": status.get("rounds"),
         "state_uploads": {n: s.get("state_uploads") for n, s in summaries.items()},
@@ -301,6 +322,10 @@ def report(r: dict) -> None:
     led = r["ledger"]
     print(f"leaderboard {led['leaderboard_sum']} samples vs ledgers {led['ledgers_sum']}: {led['users_exact']}/"
           f"{led['users']} users exact; rounds' weights exact {led['rounds_weights_exact']}/{led['rounds_checked']}")
+    if r.get("param_spread"):
+        ps = r["param_spread"]
+        print(f"final parameters: max ||theta_i - mean|| / ||mean|| {ps['max']:.2e} (median {ps['median']:.2e}) over "
+              f"{ps['peers']} peers, {ps['distinct']} distinct")
     for name, n in r["storm_newcomers"].items():
         print(f"  {name}: joined epoch {n['joined_epoch']}, state {n['state_load_s'] or 0:.1f} s, first step "
               f"{n['first_epoch_s'] or 0:.1f} s, epochs to contribute {n['epochs_to_contribute']}, exit {n['exit_code']}")
