@@ -84,7 +84,7 @@ def run_groups(group_size: int | None, *, peers: int, rounds: int, noise: float,
         for r in range(1, rounds + 1):
             results: dict[int, object] = {}
 
-            def one(i: int) -> None:
+            def one(i: int, results: dict = results) -> None:
                 try:
                     results[i] = averagers[i].step(timeout=matchmaking_s * 6 + 60)
                 except Exception as e:  # a failed round leaves this peer's tensors as they were

@@ -26,8 +26,11 @@ What it reports:
 - **the storm**: per newcomer, the state download, the epochs from joining to its first credited
   round, and the time to its first step.
 
-    flock /work/heavy.lock nice -n 10 python benchmarks/bench_scale.py --mode sync --peers 32 --storm 8
-    flock /work/heavy.lock nice -n 10 python benchmarks/bench_scale.py --mode diloco --peers 32 --storm 8
+A volunteer's process tree takes about 850 MiB (PSS) here, so 24 GiB holds 24 of them, not 32
+(``docs/scale.md``); on this machine run
+
+    flock /work/heavy.lock nice -n 10 python benchmarks/bench_scale.py --mode sync --peers 16 --storm 4 --target 512 --storm-at 3 --epochs-after 4
+    flock /work/heavy.lock nice -n 10 python benchmarks/bench_scale.py --mode sync --peers 32 --storm 8   # 48 GiB or more
 """
 
 from __future__ import annotations

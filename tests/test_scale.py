@@ -14,8 +14,8 @@ def test_groups_smaller_than_the_swarm_are_refused_naming_the_reason_and_the_fix
     """hivemind's target_group_size (Moshpit-style groups) would split every round into groups that
     crowdtrain's round records, left-out watch and DiLoCo consistency check read as one round: a
     clear refusal, not an 'upgrade crowdtrain' for a setting it knows."""
-    with pytest.raises(ValueError, match=r"target_group_size=%d .* not supported: .* one group of every live peer"
-                                         r".* target_group_size=0" % size):
+    with pytest.raises(ValueError, match=rf"target_group_size={size} .* not supported: .* one group of every live "
+                                         r"peer.* target_group_size=0"):
         SwarmConfig.from_dict({"mode": mode, "target_group_size": size})
 
 
