@@ -3,6 +3,11 @@
 Tuning by symptom:
 - "Averaging gradients failed ... could not find a group" or rounds with fewer peers than are
   alive: raise ``matchmaking_time_s`` (3-5 s on one machine or a LAN, 10-15 s over the Internet).
+- Rounds that split into several groups of a few peers each (peers in last round "4/12", "5/12"):
+  peers reach a round only at the end of their current step, so peers whose steps last longer
+  than ``matchmaking_time_s`` arrive spread over a whole step and the first arrivals assemble
+  without the rest (12-16 peers at 15 s per step and 5 s of matchmaking: three groups a round,
+  ``docs/scale.md``). Raise ``matchmaking_time_s`` above the slowest volunteers' step time.
 - Rounds that time out while data is still flowing: raise ``averaging_timeout_s`` to about twice
   the measured all-reduce time (slow uplinks need more).
 - Peers logging "returned part of the average to this peer only" (then downloading the state)
@@ -114,6 +119,10 @@ class SwarmConfig:
     # centered_clip: a sender's weight (the samples it claims) counts at most this many times the
     # median weight of the slice's senders; a claim of 1000x would otherwise carry the estimate.
     max_weight_ratio: float = 4.0
+    # Peers per averaging group (hivemind's target_group_size; Moshpit-style groups): 0, the whole
+    # swarm in one group, is the only value crowdtrain trains one model with (see
+    # ``_check_group_size``).
+    target_group_size: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -165,6 +174,28 @@ class SwarmConfig:
         if not self.outlier_distance > 1:
             raise ValueError(f"outlier_distance must be > 1 (in median distances; honest parts lie within about "
                              f"1.5), got {self.outlier_distance}")
+        self._check_group_size()
+
+    def _check_group_size(self) -> None:
+        """Groups smaller than the swarm are refused: crowdtrain's consistency checks read a round
+        as the swarm's one round. In sync mode a peer still matchmaking when another group has
+        published its finished round takes itself for left out (``crowdtrain.swarm.rounds.
+        LeftOutWatch``), drops its round and downloads the state, and every group steps on its own
+        group's mean gradient, so peers drift apart between state rounds. In DiLoCo mode the
+        groups' outer steps differ and the consistency check keeps one group's (the largest):
+        every other group's pseudo-gradients are discarded and its peers download the state each
+        round. ``centered_clip`` in small groups outvotes an attacker only where it is outnumbered
+        within the group. ``docs/scale.md`` has the measurements."""
+        if self.target_group_size < 0 or self.target_group_size == 1:
+            raise ValueError(f"target_group_size must be 0 (the whole swarm in one group) or >= 2, got "
+                             f"{self.target_group_size}")
+        if self.target_group_size:
+            raise ValueError(
+                f"target_group_size={self.target_group_size} (averaging groups smaller than the swarm) is not "
+                "supported: crowdtrain's round records, left-out watch and state checks assume each round is one "
+                "group of every live peer, and with several groups per round peers would drop their rounds, "
+                f"download the state or (DiLoCo) have their updates discarded. Remove target_group_size (or set "
+                "--swarm target_group_size=0) and raise matchmaking_time_s if rounds miss peers; see docs/scale.md")
 
     @property
     def min_group_size(self) -> int:
