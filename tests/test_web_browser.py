@@ -241,7 +241,13 @@ def test_samples_of_a_run_on_own_images_show_its_captions_after_their_real_image
         assert len(captions) == 6 and all("number" in c for c in captions)  # the stripes captions
         assert page.locator(".badge").count() == 0 and "never saw" not in page.content()
         assert "the first picture of its row, framed, is the real image" in page.inner_text("main")
-        # Every image arrived and holds five tiles: the real one, then four samples.
+        # Every image arrived and holds five tiles: the real one, then four samples. The page loads
+        # them lazily (those below the fold once scrolled to): scroll each into view, and wait for
+        # the loads that ended, well or not (a missing image is complete with width 0).
+        for img in page.locator("figure.sample img").all():
+            img.scroll_into_view_if_needed()
+        page.wait_for_function("() => [...document.querySelectorAll('figure.sample img')].every(i => i.complete)",
+                               timeout=30_000)
         sizes = page.locator("figure.sample img").evaluate_all(
             "imgs => imgs.map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
         assert sizes == [[True, 3 * (5 * 66 + 2), 3 * 68]] * 6
