@@ -9,9 +9,8 @@ from crowdtrain.launch import LocalSwarm
 
 
 def pytest_configure(config):
-    """``make test`` runs the suite in two worker processes (pytest-xdist, a file at a time per
-    worker): one torch thread each, so the two workers and the swarms they start share the cores
-    instead of oversubscribing them."""
+    """With workers (``make test TEST_WORKERS=2``, pytest-xdist): one torch thread each, so the
+    workers and the swarms they start share the cores instead of oversubscribing them."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
