@@ -26,6 +26,9 @@ def initial_loss() -> float:
     return pattern_loss()
 
 
+# One rerun: a slow, shared 2-core machine crosses this test's timing margins now and then;
+# a broken feature fails both runs.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(420)
 def test_three_unequal_peers_train_one_model(swarm_factory):
     # Epochs of about 10 s (several matchmaking windows and tracker refreshes), as in a real run
@@ -174,6 +177,9 @@ def test_two_peers_learn_what_one_peer_learns_with_the_same_global_batch(swarm_f
     assert apart / moved < 0.02, (apart, moved)
 
 
+# One rerun: a slow, shared 2-core machine crosses this test's timing margins now and then;
+# a broken feature fails both runs.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(600)
 def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
     # total_epochs: the volunteers train until the test stops them, never to the run's last epoch.
