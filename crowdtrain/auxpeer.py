@@ -273,6 +273,7 @@ class AuxPeer:
             counts = swarm_metrics.round_counts_of(
                 stored, swarm_metrics.fetch_round_counts(self.dht, self.swarm.run_id), records, self.swarm.run_id)
             self.round_health.add(counts, users={r.peer_id: r.user for r in records}, now=time.time())
+            self.round_health.add_groups(records, now=time.time())
         fresh = [r for r in records if self.seen.get(r.peer_id) != r.time]
         if fresh:
             files.append_metrics(self.run_dir, [r.dict() for r in fresh])

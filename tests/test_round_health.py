@@ -7,7 +7,7 @@ import json
 import time
 
 from crowdtrain.coordinator.db import Store, default_url
-from crowdtrain.coordinator.status import rounds_failing, run_status
+from crowdtrain.coordinator.status import rounds_failing, rounds_short, run_status
 from crowdtrain.swarm.metrics import (Ledger, PeerMetrics, RoundCounts, RoundHealth, StoredRecord,
                                      round_counts_of)
 
@@ -65,14 +65,15 @@ def test_round_health_counts_what_grew_in_the_window_per_session():
     health.add({"a": counts(now - 100, 40, 30)}, users=users, now=now - 100)
     health.add({"a": counts(now - 50, 44, 34), "b": counts(now - 50, 3, 0)}, users=users, now=now - 50)
     health.add({"a": counts(now, 48, 38), "b": counts(now, 7, 0)}, users=users, now=now)
-    assert health.summary() == {"window_s": 300, "rounds": 12, "apart": 8, "users": ["alice"]}
+    no_groups = {"grouped": 0, "short": 0, "short_median": None, "short_largest_swarm": 0}
+    assert health.summary() == {"window_s": 300, "rounds": 12, "apart": 8, "users": ["alice"], **no_groups}
     # A restarted peer is a new session: its counts start again from its first record.
     health.add({"a": counts(now + 10, 2, 2, session="s2")}, users=users, now=now + 10)
     health.add({"a": counts(now + 20, 3, 2, session="s2")}, users=users, now=now + 20)
     assert health.summary()["rounds"] == 13
     # Past the window, only what grew since its last earlier point counts.
     health.add({"a": counts(now + 400, 3, 2, session="s2"), "b": counts(now + 400, 9, 0)}, users=users, now=now + 400)
-    assert health.summary() == {"window_s": 300, "rounds": 2, "apart": 0, "users": []}
+    assert health.summary() == {"window_s": 300, "rounds": 2, "apart": 0, "users": [], **no_groups}
 
 
 def test_the_status_page_names_failing_rounds_and_the_fix_only_while_peers_train(tmp_path):
@@ -100,3 +101,52 @@ def test_the_status_page_names_failing_rounds_and_the_fix_only_while_peers_train
     assert page.status_code == 200 and "averaging rounds are failing" in page.text
     (run / "status.json").write_text(json.dumps({**status, "peers": []}))  # nobody trains: nothing fails
     assert run_status(run, store)["problems"] == []
+
+
+def _grouped(peer: str, epoch: int, group: int, swarm: int) -> PeerMetrics:
+    r = record(peer, float(epoch), epoch, 0)
+    return r.copy(update={"last_round_peers": group, "swarm_peers": swarm})
+
+
+def test_rounds_short_of_the_swarm_are_counted_once_per_peer_and_epoch_and_reach_the_status():
+    health = RoundHealth(window_s=300.0)
+    for epoch in range(4):  # 16 peers split 9 + 7 every epoch, each record seen twice
+        batch = [_grouped(f"p{i}", epoch, 9 if i < 9 else 7, 16) for i in range(16)]
+        health.add_groups(batch, now=100.0 + epoch)
+        health.add_groups(batch, now=100.5 + epoch)
+    s = health.summary()
+    assert (s["grouped"], s["short"], s["short_largest_swarm"]) == (64, 64, 16)
+    assert abs(s["short_median"] - 9 / 16) < 1e-9
+    line = rounds_short(s)
+    assert line and "64 of the 64" in line and "56%" in line and "matchmaking_time_s" in line
+    # Rounds that hold the swarm, or averaged with nobody (add's), are not short.
+    ok = RoundHealth()
+    ok.add_groups([_grouped(f"p{i}", e, 5, 5) for i in range(5) for e in range(3)]
+                  + [_grouped("q", 3, 1, 5)], now=10.0)
+    assert ok.summary()["grouped"] == 15 and ok.summary()["short"] == 0 and rounds_short(ok.summary()) is None
+    # A storm: a few short rounds among many full ones.
+    storm = RoundHealth()
+    storm.add_groups([_grouped(f"p{i}", e, 12 if e == 3 else 16, 16) for i in range(12) for e in range(8)], now=10.0)
+    assert storm.summary()["short"] == 12 and rounds_short(storm.summary()) is None
+    # Rounds leave the window.
+    health.add_groups([], now=100.0 + 300.0 + 10)
+    assert health.summary()["grouped"] == 0
+    assert rounds_short({"grouped": "x"}) is None and rounds_short({}) is None
+
+
+def test_the_status_names_rounds_short_of_the_swarm_while_peers_train(tmp_path):
+    store = Store(default_url(tmp_path))
+    now = time.time()
+    peer = record("p", now, 3, 0).dict()
+    (tmp_path / "status.json").write_text(json.dumps({
+        "epoch": 3, "peers": [peer], "updated": now,
+        "rounds": {"window_s": 300.0, "rounds": 40, "apart": 0, "users": [], "grouped": 40, "short": 30,
+                   "short_median": 0.5, "short_largest_swarm": 16}}))
+    problems = run_status(tmp_path, store)["problems"]
+    assert any("averaging rounds are missing peers" in p for p in problems), problems
+    from fastapi.testclient import TestClient
+
+    from crowdtrain.coordinator.service import create_app
+
+    page = TestClient(create_app(tmp_path, store=store)).get("/dashboard")
+    assert page.status_code == 200 and "averaging rounds are missing peers" in page.text

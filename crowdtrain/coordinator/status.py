@@ -61,9 +61,9 @@ def run_status(run_dir: Path, store: Store) -> dict:
     losses = [p["loss"] for p in live]
     task = info.task if info is not None else {}
     problems = [p for p in (info_problem, status_problem, _memorising(store), turned_away(store.counters())) if p]
-    failing = rounds_failing(status.rounds) if live else None
-    if failing:
-        problems.append(failing)
+    for problem in (rounds_failing(status.rounds), rounds_short(status.rounds)) if live else ():
+        if problem:
+            problems.append(problem)
     return {"run_id": info.run_id if info is not None else None, "started": info is not None, "epoch": epoch,
             "total_epochs": total, "target_batch_size": swarm.get("target_batch_size"),
             "active_peers": len(live), "samples_per_second": float(status.samples_per_second),
@@ -74,6 +74,29 @@ def run_status(run_dir: Path, store: Store) -> dict:
             "peers": live, "model": task.get("model", {}), "data": task.get("data"),
             "rounds": status.rounds if isinstance(status.rounds, dict) else {}, "problems": problems}
 
+
+
+def rounds_short(rounds: dict) -> str | None:
+    """A problem line when most of the swarm's recent rounds formed groups of fewer peers than
+    were training (``short`` of ``grouped``, crowdtrain.swarm.metrics.RoundHealth.add_groups):
+    rounds splitting into groups, each stepping on its own average (sync mode) so the peers end as
+    different models; None while rounds hold the swarm. A newcomer storm shorts a round or two,
+    so it takes half the rounds of the window, and at least eight."""
+    try:
+        grouped, short = int(rounds.get("grouped", 0)), int(rounds.get("short", 0))
+        share, swarm = rounds.get("short_median"), int(rounds.get("short_largest_swarm", 0))
+        minutes = float(rounds.get("window_s", 300)) / 60
+        share = float(share) if share is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if grouped < 8 or short < grouped / 2 or share is None:
+        return None
+    return (f"averaging rounds are missing peers: in the last {minutes:.0f} minutes, {short} of the {grouped} "
+            f"rounds peers took in a group held fewer peers than were training (a median of {100 * share:.0f}% "
+            f"of up to {swarm} peers). In sync mode each group steps on its own average and the volunteers drift "
+            "apart into several models. Usually the volunteers' steps are long against the matchmaking time, or "
+            "the estimate of the epoch's end moves: raise --swarm matchmaking_time_s (and averaging_timeout_s to "
+            "above twice the slowest volunteer's step) when starting the coordinator; see docs/scale.md.")
 
 # A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
 # Identity keys and their proofs (700 of a record's 1,100 bytes) are for the DHT's checks: no

@@ -4,10 +4,13 @@ Tuning by symptom:
 - "Averaging gradients failed ... could not find a group" or rounds with fewer peers than are
   alive: raise ``matchmaking_time_s`` (3-5 s on one machine or a LAN, 10-15 s over the Internet).
 - Rounds that split into several groups of a few peers each (peers in last round "4/12", "5/12"):
-  peers reach a round only at the end of their current step, so peers whose steps last longer
-  than ``matchmaking_time_s`` arrive spread over a whole step and the first arrivals assemble
-  without the rest (12-16 peers at 15 s per step and 5 s of matchmaking: three groups a round,
-  ``docs/scale.md``). Raise ``matchmaking_time_s`` above the slowest volunteers' step time.
+  a peer looks at the clock only between its steps, so each books its place in the round one
+  step plus ``matchmaking_time_s`` before the epoch's estimated end
+  (``crowdtrain.swarm.hivemind_seam.optimizer.gradient_round_lookahead_s``) and all meet at that
+  end. What still splits a round: an estimate of the end that moves by more than the matchmaking
+  time (peers joining or leaving in the last step), a volunteer's first epoch (it has not timed
+  its steps yet), or steps longer than half of ``averaging_timeout_s`` (the booking must fit in
+  it). Raise ``matchmaking_time_s`` (and ``averaging_timeout_s`` above twice the slowest step).
 - Rounds that time out while data is still flowing: raise ``averaging_timeout_s`` to about twice
   the measured all-reduce time (slow uplinks need more).
 - Peers logging "returned part of the average to this peer only" (then downloading the state)

@@ -138,6 +138,18 @@ class RoundHealth:
     def __init__(self, *, window_s: float = 300.0):
         self.window_s = window_s
         self._seen: dict[tuple[str, str], list[tuple[float, int, int, str]]] = {}  # (peer, session) -> history
+        # (peer, epoch) -> (first seen, its last round's group, the swarm then): a peer's rounds
+        # in a group of two or more, once per epoch of its metrics records.
+        self._groups: dict[tuple[str, int], tuple[float, int, int]] = {}
+
+    def add_groups(self, records: list["PeerMetrics"], *, now: float) -> None:
+        """Note each screened metrics record's last round (``last_round_peers`` of
+        ``swarm_peers``), once per peer and epoch; rounds averaged with nobody are :meth:`add`'s."""
+        for r in records:
+            if r.swarm_peers >= 2 and r.last_round_peers >= 2:
+                self._groups.setdefault((r.peer_id, r.epoch), (now, r.last_round_peers, r.swarm_peers))
+        for key in [k for k, v in self._groups.items() if v[0] < now - self.window_s]:
+            del self._groups[key]
 
     def add(self, counts: dict[str, "RoundCounts"], *, users: dict[str, str], now: float) -> None:
         """``counts``: peer ID to its latest round counts (:func:`round_counts_of`); ``users``:
@@ -156,8 +168,11 @@ class RoundHealth:
                 del self._seen[key]
 
     def summary(self) -> dict:
-        """``{"window_s", "rounds", "apart", "users"}``: rounds taken in the window, those averaged
-        with nobody, and the users of the peers that had such rounds."""
+        """``{"window_s", "rounds", "apart", "users", ...}``: rounds taken in the window, those
+        averaged with nobody, and the users of the peers that had such rounds; of the peers' rounds
+        in a group of two or more (:meth:`add_groups`), how many (``grouped``), how many held fewer
+        peers than the swarm had (``short``), the median such round's share of the swarm
+        (``short_median``) and the largest swarm one was short of (``short_largest_swarm``)."""
         rounds = apart = 0
         users = set()
         for history in self._seen.values():
@@ -169,7 +184,12 @@ class RoundHealth:
             apart += min(d_apart, d_rounds)
             if d_apart:
                 users.add(last[3])
-        return {"window_s": self.window_s, "rounds": rounds, "apart": apart, "users": sorted(users)}
+        groups = list(self._groups.values())
+        short = [(g, n) for _, g, n in groups if g < n]
+        return {"window_s": self.window_s, "rounds": rounds, "apart": apart, "users": sorted(users),
+                "grouped": len(groups), "short": len(short),
+                "short_median": (sorted(g / n for g, n in short)[len(short) // 2] if short else None),
+                "short_largest_swarm": max((n for _, n in short), default=0)}
 
 
 class AccessTokenRecord(pydantic.BaseModel):

@@ -165,6 +165,14 @@ SEAMS: tuple[Seam, ...] = (
          "hook around_gradient_round_start: credits a lone peer's step in its ledger",
          "tests/test_swarm.py::test_a_round_credits_the_peers_weight_only_when_its_gradients_went_into_a_step",
          "f17d8bb258a0c551"),
+    Seam(f"{_O}:OptimizerSeam._maybe_schedule_gradient_averaging",
+         "hivemind.optim.optimizer:Optimizer._maybe_schedule_gradient_averaging", "override",
+         "book the gradient round a step plus the matchmaking time ahead, at the epoch's estimated end",
+         "tests/test_round_booking.py::test_a_peer_with_steps_longer_than_matchmaking_books_the_round_at_the_epochs_end",
+         "868f8c36bdaa41e6",
+         upstream_fix="pre-schedule the gradient round one local step plus matchmaking_time ahead (a peer looks "
+                      "only between steps) and pass the computed ETA as scheduled_time (it was computed, then "
+                      "unused)"),
     Seam(f"{_O}:OptimizerSeam._maybe_schedule_state_averaging",
          "hivemind.optim.optimizer:Optimizer._maybe_schedule_state_averaging", "override",
          "hook around_state_round_scheduling: none before a peer's last epoch",

@@ -10,7 +10,10 @@ override is an entry of ``crowdtrain.swarm.hivemind_seam.SEAMS`` (upstream code,
 
 from __future__ import annotations
 
+import collections
 import functools
+import statistics
+import time
 from typing import Callable
 
 import hivemind
@@ -74,6 +77,39 @@ class SuspectAwareProgressTracker(ProgressTracker):
         return entry if record is entry.value else ValueWithExpiration(record, entry.expiration_time)
 
 
+class StepClock:
+    """How long this peer's steps take: the median of the last ``window`` intervals between calls
+    of :meth:`tick` (one per optimizer step). A median, not a mean, so the step that carries a
+    round or a state download does not stretch the estimate."""
+
+    def __init__(self, window: int = 8, clock: Callable[[], float] = time.monotonic):
+        self.intervals: collections.deque[float] = collections.deque(maxlen=window)
+        self.clock, self.last = clock, None
+
+    def tick(self) -> None:
+        now = self.clock()
+        if self.last is not None:
+            self.intervals.append(now - self.last)
+        self.last = now
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.intervals) if self.intervals else 0.0
+
+
+def gradient_round_lookahead_s(*, matchmaking_time: float, step_s: float, averaging_timeout: float) -> float:
+    """How long before the epoch's estimated end a peer books its place in the gradient round.
+
+    A peer looks at the clock only between its steps, so it must book at the last step that starts
+    before the epoch ends: up to one step time plus the matchmaking time ahead. hivemind looks
+    ``matchmaking_time`` ahead only, so a peer whose steps are longer than that usually finds the
+    epoch already over, starts matchmaking when its step ends (anywhere in a window one step long)
+    and the swarm splits into several groups (16 peers with 15 s steps and 5 s of matchmaking: 2-3
+    groups every round). Capped below the averaging timeout, within which the booked round must
+    start."""
+    return min(matchmaking_time + step_s, averaging_timeout / 2)
+
+
 class RoundHooks:
     """What sync mode decides at hivemind.Optimizer's internal steps. Each hook gets the upstream
     step (bound, ready to call); these defaults call it, as hivemind does."""
@@ -131,9 +167,27 @@ class OptimizerSeam(hivemind.Optimizer):
         if access_guard is not None:
             kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
                                                       access_guard)
+        self.step_clock = StepClock()
         super().__init__(*args, **kwargs)
 
     # -- hivemind.Optimizer's internals, each through its hook
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """Book this epoch's gradient round ahead (hivemind's pre-scheduling), looking ahead by
+        :func:`gradient_round_lookahead_s` and scheduling the round at the epoch's estimated end
+        (hivemind computes that time but schedules at ``min_matchmaking_time`` from now): every
+        peer that booked then meets in one group at the same moment, whenever its own step ends."""
+        self.step_clock.tick()
+        now = get_dht_time()
+        eta_s = self.tracker.estimated_next_update_time - now
+        lookahead_s = gradient_round_lookahead_s(matchmaking_time=self.matchmaking_time,
+                                                 step_s=self.step_clock.step_s, averaging_timeout=self.averaging_timeout)
+        if eta_s > lookahead_s:
+            return
+        if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
+            eta_s = max(eta_s, self.grad_averager.matchmaking_kwargs["min_matchmaking_time"])
+            self.scheduled_grads = self.grad_averager.schedule_step(scheduled_time=now + eta_s,
+                                                                    timeout=self.averaging_timeout)
 
     def _update_global_epoch(self, grad_scaler) -> None:
         self.hooks.around_global_epoch_update(functools.partial(super()._update_global_epoch, grad_scaler))

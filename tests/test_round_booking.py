@@ -1,0 +1,112 @@
+"""Booking the gradient round ahead: a peer whose steps are longer than the matchmaking time still
+meets the others at the epoch's end (crowdtrain.swarm.hivemind_seam.optimizer)."""
+
+from types import SimpleNamespace
+
+import pytest
+from hivemind.utils.timed_storage import get_dht_time
+
+from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam, StepClock, gradient_round_lookahead_s
+
+
+class _GradAverager:
+    def __init__(self):
+        self.matchmaking_kwargs = {"min_matchmaking_time": 5.0}
+        self.booked = []
+
+    def schedule_step(self, scheduled_time=None, **kwargs):
+        self.booked.append((scheduled_time, kwargs))
+        return SimpleNamespace(triggered=False, done=lambda: False)
+
+
+def _seam(*, eta_s: float, step_s: float, matchmaking_time: float = 5.0):
+    """An OptimizerSeam (not started) whose steps took ``step_s`` and whose epoch ends in ``eta_s``."""
+    seam = OptimizerSeam.__new__(OptimizerSeam)
+    seam._parent_pid = None  # not started: nothing for hivemind to shut down
+    seam.matchmaking_time, seam.averaging_timeout = matchmaking_time, 90.0
+    seam.scheduled_grads, seam.grad_averager = None, _GradAverager()
+    seam.tracker = SimpleNamespace(estimated_next_update_time=get_dht_time() + eta_s)
+    t = iter(range(0, 1000, int(step_s)))
+    seam.step_clock = StepClock(clock=lambda: float(next(t)))
+    for _ in range(4):  # four steps seen: three intervals of step_s
+        seam.step_clock.tick()
+    return seam
+
+
+def test_a_peer_with_steps_longer_than_matchmaking_books_the_round_at_the_epochs_end():
+    # 15 s steps, 5 s of matchmaking, the epoch ends in 12 s: this peer's next look is after the
+    # end, so it books now, for the end (hivemind looked 5 s ahead only: no booking, and a group
+    # formed by whoever looked first).
+    seam = _seam(eta_s=12.0, step_s=15)
+    before = get_dht_time()
+    seam._maybe_schedule_gradient_averaging()
+    assert len(seam.grad_averager.booked) == 1, "booked at the last step before the epoch's end"
+    scheduled_time, kwargs = seam.grad_averager.booked[0]
+    assert scheduled_time is not None and before + 11.0 < scheduled_time < get_dht_time() + 12.5, \
+        "the round is scheduled at the epoch's estimated end, the same moment for every peer"
+    assert kwargs == {"timeout": 90.0}
+    seam._maybe_schedule_gradient_averaging()
+    assert len(seam.grad_averager.booked) == 1, "booked once: the pending booking is kept"
+
+
+def test_a_peer_books_nothing_while_it_will_look_again_before_the_epochs_end():
+    seam = _seam(eta_s=25.0, step_s=15)
+    seam._maybe_schedule_gradient_averaging()
+    assert seam.grad_averager.booked == [], "25 s away with 15 s steps and 5 s of matchmaking: next step books"
+    fast = _seam(eta_s=12.0, step_s=1)
+    fast._maybe_schedule_gradient_averaging()
+    assert fast.grad_averager.booked == [], "1 s steps: it looks again long before the end"
+
+
+def test_an_epoch_already_over_is_booked_a_matchmaking_time_from_now():
+    seam = _seam(eta_s=-3.0, step_s=15)
+    before = get_dht_time()
+    seam._maybe_schedule_gradient_averaging()
+    (scheduled_time, _), = seam.grad_averager.booked
+    assert before + 4.9 < scheduled_time < get_dht_time() + 5.1
+
+
+@pytest.mark.parametrize("step_s, expected", [(0.0, 5.0), (15.0, 20.0), (200.0, 45.0)])
+def test_the_lookahead_is_a_step_plus_matchmaking_within_half_the_averaging_timeout(step_s, expected):
+    assert gradient_round_lookahead_s(matchmaking_time=5.0, step_s=step_s, averaging_timeout=90.0) == expected
+
+
+def test_the_step_clock_takes_the_median_so_a_step_carrying_a_round_does_not_stretch_it():
+    times = iter([0.0, 10.0, 20.0, 60.0, 70.0, 80.0])  # the third step carried a 30 s round
+    clock = StepClock(clock=lambda: next(times))
+    assert clock.step_s == 0.0, "no interval seen yet"
+    for _ in range(6):
+        clock.tick()
+    assert clock.step_s == 10.0
+
+
+def test_a_swarm_whose_steps_outlast_matchmaking_meets_in_one_group_and_stays_one_model(swarm_factory, tmp_path):
+    """Five real volunteers, 5 s steps, 1.5 s of matchmaking: each notices the epoch's end up to a
+    step late. Without booking ahead they met in groups of 1-3 every round and ended as five
+    models 3e-2 apart (``benchmarks/bench_scale.py --peers 6 --step-s 6 --matchmaking-s 2``)."""
+    import torch
+    from safetensors.torch import load_file
+
+    names = [f"v{i}" for i in range(1, 6)]
+    epochs = 5
+    swarm = swarm_factory(swarm={"target_batch_size": 8 * len(names) * 2, "lr": 0.01, "warmup_epochs": 1,
+                                 "total_epochs": 100, "matchmaking_time_s": 1.5, "averaging_timeout_s": 60.0,
+                                 "checkpoint_every_epochs": 100})
+    swarm.start_coordinator(timeout=300)
+    for name in names:
+        swarm.join(name, batch_size=8, max_epochs=epochs, extra=["--simulated-step-s", "5"])
+    codes = {name: swarm.procs[name].wait(timeout=420) for name in names}
+    assert codes == dict.fromkeys(names, 0), {n: swarm.log(n)[-3000:] for n, c in codes.items() if c}
+    rounds = {name: {r["epoch"]: r for r in swarm.summary(name)["rounds"]} for name in names}
+    # From epoch 2 every peer has timed its steps (and every peer has joined): each round is one
+    # group of the whole swarm.
+    later = [(name, epoch, r["group_size"], r["swarm_peers"]) for name in names
+             for epoch, r in rounds[name].items() if epoch >= 2]
+    assert len(later) >= len(names) * (epochs - 3), f"too few rounds recorded: {later}"
+    split = [row for row in later if row[2] < len(names)]
+    assert not split, f"rounds that did not hold every peer (name, epoch, group, swarm): {split}"
+    vectors = [torch.cat([t.flatten().double() for _, t in sorted(load_file(str(tmp_path / f"{n}.safetensors")).items())])
+               for n in names]
+    mean = torch.stack(vectors).mean(0)
+    spread = max(((v - mean).norm() / mean.norm()).item() for v in vectors)
+    assert spread < 1e-3, f"the volunteers ended {spread:.1e} apart: not one model"
