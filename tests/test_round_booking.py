@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam, StepClock, gradient_round_lookahead_s
+from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam
+from crowdtrain.swarm.rounds import StepClock, gradient_round_lookahead_s
 
 
 class _GradAverager:
@@ -66,8 +67,8 @@ def test_an_epoch_already_over_is_booked_a_matchmaking_time_from_now():
     assert before + 4.9 < scheduled_time < get_dht_time() + 5.1
 
 
-@pytest.mark.parametrize("step_s, expected", [(0.0, 5.0), (15.0, 20.0), (200.0, 45.0)])
-def test_the_lookahead_is_a_step_plus_matchmaking_within_half_the_averaging_timeout(step_s, expected):
+@pytest.mark.parametrize("step_s, expected", [(0.0, 5.0), (15.0, 20.0), (200.0, 30.0)])
+def test_the_lookahead_is_a_step_plus_matchmaking_within_a_third_of_the_averaging_timeout(step_s, expected):
     assert gradient_round_lookahead_s(matchmaking_time=5.0, step_s=step_s, averaging_timeout=90.0) == expected
 
 
@@ -110,3 +111,30 @@ def test_a_swarm_whose_steps_outlast_matchmaking_meets_in_one_group_and_stays_on
     mean = torch.stack(vectors).mean(0)
     spread = max(((v - mean).norm() / mean.norm()).item() for v in vectors)
     assert spread < 1e-3, f"the volunteers ended {spread:.1e} apart: not one model"
+
+
+def test_diloco_books_its_round_at_the_last_inner_step_before_the_sync_point():
+    from crowdtrain.runspec.swarm import SwarmConfig
+    from crowdtrain.swarm.diloco import DiLoCoOptimizer
+
+    def fake(eta_s: float, step_s: int):
+        booked = []
+        t = iter(range(0, 1000, step_s))
+        clock = StepClock(clock=lambda: float(next(t)))
+        for _ in range(4):
+            clock.tick()
+        opt = SimpleNamespace(
+            scheduled=None, step_clock=clock,
+            config=SwarmConfig(mode="diloco", matchmaking_time_s=5.0, averaging_timeout_s=90.0),
+            tracker=SimpleNamespace(estimated_next_update_time=get_dht_time() + eta_s),
+            _begin_matchmaking=lambda scheduled_time=None: booked.append(scheduled_time) or SimpleNamespace(
+                triggered=False, done=lambda: False))
+        before = get_dht_time()
+        DiLoCoOptimizer._maybe_schedule_round(opt)
+        return booked, before
+
+    booked, before = fake(eta_s=12.0, step_s=15)
+    assert len(booked) == 1 and before + 11.0 < booked[0] < get_dht_time() + 12.5, \
+        "15 s inner steps: booked now, for the sync point"
+    assert fake(eta_s=25.0, step_s=15)[0] == [], "the next inner step still starts before the sync point"
+    assert fake(eta_s=12.0, step_s=1)[0] == [], "short steps: it books later, within the matchmaking time"

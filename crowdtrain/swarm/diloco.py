@@ -68,8 +68,8 @@ from crowdtrain.swarm.hivemind_seam.records import state_offers_key
 from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import SuspectPeers, make_aggregator
-from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, release_scheduled,
-                                     swarm_epoch_now, tag_along)
+from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, StepClock,
+                                     gradient_round_lookahead_s, release_scheduled, swarm_epoch_now, tag_along)
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +300,7 @@ class DiLoCoOptimizer:
         self.global_params = self.averager.global_params
         self.samples_in_round = 0
         self.scheduled = None
+        self.step_clock = StepClock()  # this peer's inner step time: how far ahead it books a round
         self.pending: OpenRound | None = None  # an overlapped round in flight (``overlap_outer_round``)
         self.rounds = RoundLog()
         self.offer = StateOffer(self.averager, client_mode=client_mode)
@@ -369,6 +370,7 @@ class DiLoCoOptimizer:
             self.pending.inner_steps += 1
         self.samples_in_round += self.batch_size
         self.tracker.report_local_progress(self._progress_epoch, self.samples_in_round)
+        self.step_clock.tick()
         if self.pending is None:
             self._maybe_schedule_round()
         if self.tracker.ready_to_update_epoch:
@@ -505,16 +507,23 @@ class DiLoCoOptimizer:
                 and control.deadline - get_dht_time() < self.config.averaging_timeout_s / 2)
 
     def _maybe_schedule_round(self) -> None:
-        """Start matchmaking shortly before the swarm reaches the sync point, so it overlaps compute."""
-        if self.tracker.estimated_next_update_time - get_dht_time() > self.config.matchmaking_time_s:
+        """Start matchmaking before the swarm reaches the sync point, so it overlaps compute: at the
+        last inner step that starts before it (``gradient_round_lookahead_s``), for a round at the
+        sync point's estimate, so that peers whose steps end at different moments meet in one group."""
+        now = get_dht_time()
+        eta_s = self.tracker.estimated_next_update_time - now
+        if eta_s > gradient_round_lookahead_s(matchmaking_time=self.config.matchmaking_time_s,
+                                              step_s=self.step_clock.step_s,
+                                              averaging_timeout=self.config.averaging_timeout_s):
             return
         if self.scheduled is None or self.scheduled.triggered or self.scheduled.done():
-            self.scheduled = self._begin_matchmaking()
+            self.scheduled = self._begin_matchmaking(scheduled_time=now + max(eta_s, self.config.matchmaking_time_s))
 
-    def _begin_matchmaking(self):
+    def _begin_matchmaking(self, scheduled_time: float | None = None):
+        """A round looking for its group (hivemind's default ``scheduled_time``: a matchmaking time from now)."""
         gather = {"epoch": self.local_epoch, "group": self.averager.base_group,
                   "base": params_digest(self.global_params)}
-        return self.averager.step(gather=gather, wait=False, require_trigger=True,
+        return self.averager.step(gather=gather, wait=False, require_trigger=True, scheduled_time=scheduled_time,
                                   timeout=self.config.averaging_timeout_s)
 
     def _outer_step(self) -> None:

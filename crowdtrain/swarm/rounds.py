@@ -17,8 +17,10 @@ place a trainer offers, demotes or withdraws its state.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -241,3 +243,38 @@ def swarm_at_start(tracker, state_averager) -> bool:
             except (KeyError, TypeError, ValueError):
                 continue
     return max(epochs) == 0
+
+
+class StepClock:
+    """How long this peer's steps take: the median of the last ``window`` intervals between calls
+    of :meth:`tick` (one per optimizer step). A median, not a mean, so the step that carries a
+    round or a state download does not stretch the estimate."""
+
+    def __init__(self, window: int = 8, clock: Callable[[], float] = time.monotonic):
+        self.intervals: collections.deque[float] = collections.deque(maxlen=window)
+        self.clock, self.last = clock, None
+
+    def tick(self) -> None:
+        now = self.clock()
+        if self.last is not None:
+            self.intervals.append(now - self.last)
+        self.last = now
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.intervals) if self.intervals else 0.0
+
+
+def gradient_round_lookahead_s(*, matchmaking_time: float, step_s: float, averaging_timeout: float) -> float:
+    """How long before the epoch's estimated end (sync mode) or sync point (DiLoCo mode) a peer
+    books its place in the round.
+
+    A peer looks at the clock only between its steps, so it must book at the last step that starts
+    before the epoch ends: up to one step time plus the matchmaking time ahead. hivemind looks
+    ``matchmaking_time`` ahead only, so a peer whose steps are longer than that usually finds the
+    epoch already over, starts matchmaking when its step ends (anywhere in a window one step long)
+    and the swarm splits into several groups (16 peers with 15 s steps and 5 s of matchmaking: 2-3
+    groups every round). Capped at a third of the averaging timeout: the booked round must
+    start within it, and DiLoCo mode starts a fresh search where less than half of it is left at
+    the sync point."""
+    return min(matchmaking_time + step_s, averaging_timeout / 3)

@@ -10,10 +10,7 @@ override is an entry of ``crowdtrain.swarm.hivemind_seam.SEAMS`` (upstream code,
 
 from __future__ import annotations
 
-import collections
 import functools
-import statistics
-import time
 from typing import Callable
 
 import hivemind
@@ -22,6 +19,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from crowdtrain.swarm.robust import Aggregator, MeanAggregator, SuspectPeers
+from crowdtrain.swarm.rounds import StepClock, gradient_round_lookahead_s
 
 class SuspectAwareProgressTracker(ProgressTracker):
     """hivemind's progress tracker, not counting the samples (nor the speed) of peers in
@@ -75,39 +73,6 @@ class SuspectAwareProgressTracker(ProgressTracker):
         if isinstance(reported, (int, float)) and not isinstance(reported, bool) and reported < oldest:
             record = {**record, "time": oldest}  # extrapolated by (now - oldest) at most
         return entry if record is entry.value else ValueWithExpiration(record, entry.expiration_time)
-
-
-class StepClock:
-    """How long this peer's steps take: the median of the last ``window`` intervals between calls
-    of :meth:`tick` (one per optimizer step). A median, not a mean, so the step that carries a
-    round or a state download does not stretch the estimate."""
-
-    def __init__(self, window: int = 8, clock: Callable[[], float] = time.monotonic):
-        self.intervals: collections.deque[float] = collections.deque(maxlen=window)
-        self.clock, self.last = clock, None
-
-    def tick(self) -> None:
-        now = self.clock()
-        if self.last is not None:
-            self.intervals.append(now - self.last)
-        self.last = now
-
-    @property
-    def step_s(self) -> float:
-        return statistics.median(self.intervals) if self.intervals else 0.0
-
-
-def gradient_round_lookahead_s(*, matchmaking_time: float, step_s: float, averaging_timeout: float) -> float:
-    """How long before the epoch's estimated end a peer books its place in the gradient round.
-
-    A peer looks at the clock only between its steps, so it must book at the last step that starts
-    before the epoch ends: up to one step time plus the matchmaking time ahead. hivemind looks
-    ``matchmaking_time`` ahead only, so a peer whose steps are longer than that usually finds the
-    epoch already over, starts matchmaking when its step ends (anywhere in a window one step long)
-    and the swarm splits into several groups (16 peers with 15 s steps and 5 s of matchmaking: 2-3
-    groups every round). Capped below the averaging timeout, within which the booked round must
-    start."""
-    return min(matchmaking_time + step_s, averaging_timeout / 2)
 
 
 class RoundHooks:
