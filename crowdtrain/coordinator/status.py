@@ -95,8 +95,8 @@ def rounds_short(rounds: dict) -> str | None:
             f"rounds peers took in a group held fewer peers than were training (a median of {100 * share:.0f}% "
             f"of up to {swarm} peers). In sync mode each group steps on its own average and the volunteers drift "
             "apart into several models. Usually the volunteers' steps are long against the matchmaking time, or "
-            "the estimate of the epoch's end moves: raise --swarm matchmaking_time_s (and averaging_timeout_s to "
-            "above twice the slowest volunteer's step) when starting the coordinator; see docs/scale.md.")
+            "the estimate of the epoch's end moves: raise --swarm matchmaking_time_s, and averaging_timeout_s to "
+            "at least four times the slowest volunteer's step, when starting the coordinator; see docs/scale.md.")
 
 # A volunteer's address (IP and port) is theirs to give: the public status says who trains, not where.
 # Identity keys and their proofs (700 of a record's 1,100 bytes) are for the DHT's checks: no

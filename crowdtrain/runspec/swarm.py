@@ -3,14 +3,16 @@
 Tuning by symptom:
 - "Averaging gradients failed ... could not find a group" or rounds with fewer peers than are
   alive: raise ``matchmaking_time_s`` (3-5 s on one machine or a LAN, 10-15 s over the Internet).
-- Rounds that split into several groups of a few peers each (peers in last round "4/12", "5/12"):
-  a peer looks at the clock only between its steps, so each books its place in the round one
-  step plus ``matchmaking_time_s`` before the epoch's estimated end
-  (``crowdtrain.swarm.hivemind_seam.optimizer.gradient_round_lookahead_s``) and all meet at that
-  end. What still splits a round: an estimate of the end that moves by more than the matchmaking
-  time (peers joining or leaving in the last step), a volunteer's first epoch (it has not timed
-  its steps yet), or steps longer than half of ``averaging_timeout_s`` (the booking must fit in
-  it). Raise ``matchmaking_time_s`` (and ``averaging_timeout_s`` above twice the slowest step).
+- Rounds that split into several groups of a few peers each (peers in last round "4/12", "5/12";
+  the dashboard says "averaging rounds are missing peers"): a peer looks at the clock only
+  between its steps, so each books its place in the round one step plus ``matchmaking_time_s``
+  before the epoch's estimated end (``crowdtrain.swarm.rounds.gradient_round_lookahead_s``) and
+  all meet at that end. In the group, a peer still finishing its step keeps the others waiting,
+  for at most ``next_chunk_timeout_s`` (a quarter of ``averaging_timeout_s``). What still splits
+  a round: an estimate of the end that moves by more than the matchmaking time (peers joining
+  or leaving in the last step), a volunteer's first epoch (it has not timed its steps yet), or
+  steps longer than a quarter of ``averaging_timeout_s``. Raise ``matchmaking_time_s``, and
+  ``averaging_timeout_s`` to at least four times the slowest volunteer's step.
 - Rounds that time out while data is still flowing: raise ``averaging_timeout_s`` to about twice
   the measured all-reduce time (slow uplinks need more).
 - Peers logging "returned part of the average to this peer only" (then downloading the state)
