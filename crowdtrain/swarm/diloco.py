@@ -301,6 +301,7 @@ class DiLoCoOptimizer:
         self.samples_in_round = 0
         self.scheduled = None
         self.step_clock = StepClock()  # this peer's inner step time: how far ahead it books a round
+        self.step_clock.tick()  # the first interval, start-up included, times the first epoch's steps
         self.pending: OpenRound | None = None  # an overlapped round in flight (``overlap_outer_round``)
         self.rounds = RoundLog()
         self.offer = StateOffer(self.averager, client_mode=client_mode)

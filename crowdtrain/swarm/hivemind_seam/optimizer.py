@@ -133,6 +133,9 @@ class OptimizerSeam(hivemind.Optimizer):
             kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
                                                       access_guard)
         self.step_clock = StepClock()
+        # From now: the first step's interval (with the start-up's state download, so an
+        # overestimate) lets the first epoch's round be booked ahead too.
+        self.step_clock.tick()
         super().__init__(*args, **kwargs)
 
     # -- hivemind.Optimizer's internals, each through its hook
