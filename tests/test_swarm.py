@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from crowdtrain.launch import get_json
 from crowdtrain.model import get_preset
+from crowdtrain.swarm.hivemind_seam import state as hivemind_seam_state
 from crowdtrain.swarm.metrics import Ledger
 from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
 from crowdtrain.train.validate import pattern_loss
@@ -198,8 +199,17 @@ def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
         assert time.monotonic() < deadline, swarm.log("newcomer")[-3000:]
         time.sleep(1)
     swarm.wait_epoch(killed_at + 4, 180)
+    # The newcomer downloaded the training state, never the gradient averager's buffers (hivemind
+    # fetches those too, through its own downloader, which logs "Downloading parameters from
+    # peer"; the state keeper's is crowdtrain's). More than one state download is normal here: in
+    # 3 s epochs a donor whose update is in flight serves the previous epoch's state
+    # (crowdtrain.swarm.hivemind_seam.state), and a newcomer that finds the swarm two epochs past the
+    # state it got downloads again (crowdtrain.swarm.peer).
     at_join = swarm.log("newcomer").split("joined run")[0]
-    assert at_join.count("Finished downloading state") == 1, "one download: the state, no gradient buffers"
+    state_downloads = at_join.count(f"{hivemind_seam_state.__name__}: Finished downloading state")
+    assert state_downloads >= 1, at_join[-3000:]
+    assert at_join.count("Finished downloading state") == state_downloads, "only the state: no gradient buffers"
+    assert "Downloading parameters from peer" not in at_join, "only the state: no gradient buffers"
 
     swarm.kill("coordinator", signal.SIGTERM)
     restarted = swarm.start_coordinator()
