@@ -255,5 +255,9 @@ class LocalSwarm:
                 os.killpg(self.procs[name].pid, signal.SIGINT)
         return {name: self.wait_exit(name, timeout) for name in names}
 
-    def close(self) -> None:
-        stop_all(self.procs.values(), signal.SIGTERM, 20)
+    def close(self, grace_s: float = 5.0) -> None:
+        """End every process still running. A coordinator alone stops within a second of SIGTERM;
+        a volunteer whose DHT and averagers took the group's SIGTERM with it cannot leave cleanly
+        and would only wait for its own timeouts, so after ``grace_s`` the groups are SIGKILLed
+        (the whole group: no daemon is left behind)."""
+        stop_all(self.procs.values(), signal.SIGTERM, grace_s)
