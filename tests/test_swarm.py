@@ -155,22 +155,22 @@ def test_two_peers_learn_what_one_peer_learns_with_the_same_global_batch(swarm_f
     """
     epochs = 10
     in_line = {"delay_optimizer_step": False}
+    # The two runs side by side: each its own coordinator and folder. What is compared is counted
+    # in samples and steps, not seconds.
     solo = swarm_factory(swarm=in_line)
-    solo.start_coordinator()
-    solo.join("solo", batch_size=16, max_epochs=epochs)
-    assert solo.wait_exit("solo", 300) == 0, solo.log("solo")[-3000:]
-    solo.close()
-    solo_loss = eval_loss(solo.tmp / "solo.safetensors")
-
     (tmp_path / "pair").mkdir()
     pair = swarm_factory(swarm=in_line)
     pair.tmp = tmp_path / "pair"
     pair.run_dir = pair.tmp / "run"
+    solo.start_coordinator()
     pair.start_coordinator()
+    solo.join("solo", batch_size=16, max_epochs=epochs)
     pair.join("p1", batch_size=8, max_epochs=epochs)
     pair.join("p2", batch_size=8, max_epochs=epochs)
+    assert solo.wait_exit("solo", 300) == 0, solo.log("solo")[-3000:]
     for name in ("p1", "p2"):
         assert pair.wait_exit(name, 300) == 0, pair.log(name)[-3000:]
+    solo_loss = eval_loss(solo.tmp / "solo.safetensors")
     pair_loss = eval_loss(pair.tmp / "p1.safetensors")
     # The logs say what happened and nothing a user cannot act on: a line per epoch or per 5 s,
     # not per step; a last line with what the peer contributed.
