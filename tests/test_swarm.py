@@ -126,10 +126,11 @@ def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once
     # matchmaking no CPU), and epochs of 10-20 s, several times a download (2 s, twice that for a
     # newcomer that waits for a busy donor): as in a real run, where an epoch is minutes of compute
     # (with epochs shorter than a download, a newcomer is behind again by the time its state
-    # arrives). The run ends 4 epochs after the storm (epochs_after + 2): a newcomer joins within
-    # an epoch or two and must contribute within two more.
+    # arrives). The run ends 5 epochs after the storm (epochs_after + 2): a newcomer joins within
+    # an epoch or two and must contribute within two more, the last of them still a round before
+    # the end.
     storm = newcomer_storm(tmp_path, newcomers=4, base_peers=3, max_state_uploads=1, upload_delay_s=2.0,
-                           target_batch_size=2048, storm_at_epoch=1, epochs_after=2, step_s=0.5)
+                           target_batch_size=2048, storm_at_epoch=1, epochs_after=3, step_s=0.5)
     print(json.dumps({k: storm[k] for k in ("storm_epoch", "donors", "uploads", "per_newcomer")}, indent=1))
     assert all(code == 0 for code in storm["exit_codes"].values()), storm["exit_codes"]
     for name, r in storm["per_newcomer"].items():
