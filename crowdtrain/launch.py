@@ -108,6 +108,26 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.
     return proc.returncode
 
 
+def stop_all(procs, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
+    """:func:`stop` for several process groups at once: every group is signalled, then all share
+    one ``timeout`` before the ones left are SIGKILLed (stopped one by one, n peers that each take
+    their whole clean leave would cost n timeouts)."""
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    for proc in live:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in live:
+        stop(proc, signal.SIGKILL, 10)
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float, failed: Callable[[], bool], message: str) -> None:
     """Poll ``condition`` until true; raise RuntimeError(message) on timeout or once ``failed()``."""
     deadline = time.monotonic() + timeout_s
@@ -235,6 +255,9 @@ class LocalSwarm:
                 os.killpg(self.procs[name].pid, signal.SIGINT)
         return {name: self.wait_exit(name, timeout) for name in names}
 
-    def close(self) -> None:
-        for proc in self.procs.values():
-            stop(proc, signal.SIGTERM, 20)
+    def close(self, grace_s: float = 5.0) -> None:
+        """End every process still running. A coordinator alone stops within a second of SIGTERM;
+        a volunteer whose DHT and averagers took the group's SIGTERM with it cannot leave cleanly
+        and would only wait for its own timeouts, so after ``grace_s`` the groups are SIGKILLed
+        (the whole group: no daemon is left behind)."""
+        stop_all(self.procs.values(), signal.SIGTERM, grace_s)

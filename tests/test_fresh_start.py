@@ -41,6 +41,7 @@ def test_fresh_two_and_three_peer_runs_form_their_first_rounds_in_full(tmp_path)
             took = time.monotonic() - joined
             if took > STALLED_S:
                 failures.append((attempt, "both runs", f"{took:.0f} s to {ROUNDS} epochs"))
+            for peers, swarm in swarms.items():
                 # The coordinator heard of the rounds (the peers' signed round counts): what its
                 # "rounds are failing" problem is made of.
                 deadline = time.monotonic() + 30

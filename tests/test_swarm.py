@@ -1,6 +1,7 @@
 """The swarm with real processes on 127.0.0.1: a coordinator and volunteers training `tiny` together."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -12,10 +13,14 @@ from safetensors.torch import load_file
 
 from crowdtrain.launch import get_json
 from crowdtrain.model import get_preset
+from crowdtrain.swarm.hivemind_seam import state as hivemind_seam_state
 from crowdtrain.swarm.metrics import Ledger
 from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
 from crowdtrain.train.validate import pattern_loss
 from tests.swarm_harness import check_ledger, newcomer_storm, noise_in
+
+# A volunteer's line at each new epoch: the epoch and its last round's group size.
+STEP_LINE = re.compile(r"epoch (\d+) \| loss [\d.]+ \| .* peers in last round (\d+)/\d+")
 
 
 def eval_loss(path) -> float:
@@ -33,18 +38,30 @@ def initial_loss() -> float:
 def test_three_unequal_peers_train_one_model(swarm_factory):
     # Epochs of about 10 s (several matchmaking windows and tracker refreshes), as in a real run
     # where an epoch holds minutes of compute: shorter ones measure start-up races, not averaging.
-    # State averaging every 3 epochs (at epoch 3; the step into epoch 6, where the peers leave,
-    # skips it). Between state rounds, peers agree because every peer that missed a round or got
+    # State averaging every 3 epochs. Between state rounds, peers agree because every peer that missed a round or got
     # part of its average only downloads the state of those that averaged in full.
     swarm = swarm_factory(swarm={"target_batch_size": 768, "average_state_every": 3})
     swarm.start_coordinator()
-    epochs = 6
+    # At least `epochs` epochs, and on until a round had all three peers (the ledger check below
+    # needs one): on a loaded machine the slow peer misses the first rounds now and then. At most
+    # `cap` epochs: a swarm whose rounds never take everyone fails that check.
+    epochs, cap = 6, 14
     # Unequal peers: different batch sizes and a slower device.
-    swarm.join("a", batch_size=16, max_epochs=epochs)
-    swarm.join("b", batch_size=8, max_epochs=epochs, extra=["--inject-fault", "nan-every=4"])
-    swarm.join("c", batch_size=4, max_epochs=epochs, extra=["--simulated-step-s", "0.3"])
-    for name in "abc":
-        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    swarm.join("a", batch_size=16, max_epochs=cap)
+    swarm.join("b", batch_size=8, max_epochs=cap, extra=["--inject-fault", "nan-every=4"])
+    swarm.join("c", batch_size=4, max_epochs=cap, extra=["--simulated-step-s", "0.3"])
+    deadline = time.monotonic() + 300
+    while all(swarm.procs[n].poll() is None for n in "abc"):
+        assert time.monotonic() < deadline, {n: swarm.log(n)[-1500:] for n in "abc"}
+        lines = {n: [(int(e), int(g)) for e, g in STEP_LINE.findall(swarm.log(n))] for n in "abc"}
+        full = set.intersection(*({e for e, g in lines[n] if g == 3} for n in "abc"))
+        # Stopped an epoch after that round's line: every peer has recorded it.
+        if full and all(lines[n] and lines[n][-1][0] >= max(epochs, min(full) + 1) for n in "abc"):
+            break
+        time.sleep(1)
+    codes = swarm.interrupt_all([n for n in "abc" if swarm.procs[n].poll() is None])  # Ctrl-C: a clean leave
+    codes.update({n: swarm.procs[n].returncode for n in "abc" if n not in codes})
+    assert codes == {"a": 0, "b": 0, "c": 0}, {n: swarm.log(n)[-3000:] for n in codes}
     summaries = {n: swarm.summary(n) for n in "abc"}
     finals = {n: s["final_epoch"] for n, s in summaries.items()}
     assert min(finals.values()) >= epochs and max(finals.values()) - min(finals.values()) <= 1, finals
@@ -106,11 +123,14 @@ def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once
     uplink): a busy donor turns a newcomer away, the newcomer tries the next one, and never falls
     back to the coordinator's old checkpoint while a donor of the newest state is only busy."""
     # Steps padded to 0.5 s (peers of their own machines: seven trainers on two cores would leave
-    # matchmaking no CPU), and epochs of 15-30 s, several times a download: as in a real run, where
-    # an epoch is minutes of compute (with epochs shorter than a download, a newcomer is behind
-    # again by the time its state arrives).
+    # matchmaking no CPU), and epochs of 10-20 s, several times a download (2 s, twice that for a
+    # newcomer that waits for a busy donor): as in a real run, where an epoch is minutes of compute
+    # (with epochs shorter than a download, a newcomer is behind again by the time its state
+    # arrives). The run ends 5 epochs after the storm (epochs_after + 2): a newcomer joins within
+    # an epoch or two and must contribute within two more, the last of them still a round before
+    # the end.
     storm = newcomer_storm(tmp_path, newcomers=4, base_peers=3, max_state_uploads=1, upload_delay_s=2.0,
-                           target_batch_size=3072, storm_at_epoch=1, epochs_after=3, step_s=0.5)
+                           target_batch_size=2048, storm_at_epoch=1, epochs_after=3, step_s=0.5)
     print(json.dumps({k: storm[k] for k in ("storm_epoch", "donors", "uploads", "per_newcomer")}, indent=1))
     assert all(code == 0 for code in storm["exit_codes"].values()), storm["exit_codes"]
     for name, r in storm["per_newcomer"].items():
@@ -136,22 +156,22 @@ def test_two_peers_learn_what_one_peer_learns_with_the_same_global_batch(swarm_f
     """
     epochs = 10
     in_line = {"delay_optimizer_step": False}
+    # The two runs side by side: each its own coordinator and folder. What is compared is counted
+    # in samples and steps, not seconds.
     solo = swarm_factory(swarm=in_line)
-    solo.start_coordinator()
-    solo.join("solo", batch_size=16, max_epochs=epochs)
-    assert solo.wait_exit("solo", 300) == 0, solo.log("solo")[-3000:]
-    solo.close()
-    solo_loss = eval_loss(solo.tmp / "solo.safetensors")
-
     (tmp_path / "pair").mkdir()
     pair = swarm_factory(swarm=in_line)
     pair.tmp = tmp_path / "pair"
     pair.run_dir = pair.tmp / "run"
+    solo.start_coordinator()
     pair.start_coordinator()
+    solo.join("solo", batch_size=16, max_epochs=epochs)
     pair.join("p1", batch_size=8, max_epochs=epochs)
     pair.join("p2", batch_size=8, max_epochs=epochs)
+    assert solo.wait_exit("solo", 300) == 0, solo.log("solo")[-3000:]
     for name in ("p1", "p2"):
         assert pair.wait_exit(name, 300) == 0, pair.log(name)[-3000:]
+    solo_loss = eval_loss(solo.tmp / "solo.safetensors")
     pair_loss = eval_loss(pair.tmp / "p1.safetensors")
     # The logs say what happened and nothing a user cannot act on: a line per epoch or per 5 s,
     # not per step; a last line with what the peer contributed.
@@ -198,8 +218,17 @@ def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
         assert time.monotonic() < deadline, swarm.log("newcomer")[-3000:]
         time.sleep(1)
     swarm.wait_epoch(killed_at + 4, 180)
+    # The newcomer downloaded the training state, never the gradient averager's buffers (hivemind
+    # fetches those too, through its own downloader, which logs "Downloading parameters from
+    # peer"; the state keeper's is crowdtrain's). More than one state download is normal here: in
+    # 3 s epochs a donor whose update is in flight serves the previous epoch's state
+    # (crowdtrain.swarm.hivemind_seam.state), and a newcomer that finds the swarm two epochs past the
+    # state it got downloads again (crowdtrain.swarm.peer).
     at_join = swarm.log("newcomer").split("joined run")[0]
-    assert at_join.count("Finished downloading state") == 1, "one download: the state, no gradient buffers"
+    state_downloads = at_join.count(f"{hivemind_seam_state.__name__}: Finished downloading state")
+    assert state_downloads >= 1, at_join[-3000:]
+    assert at_join.count("Finished downloading state") == state_downloads, "only the state: no gradient buffers"
+    assert "Downloading parameters from peer" not in at_join, "only the state: no gradient buffers"
 
     swarm.kill("coordinator", signal.SIGTERM)
     restarted = swarm.start_coordinator()

@@ -117,8 +117,9 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
             print(f"[{time.strftime('%H:%M:%S')}] epoch {status['epoch']:4d} | {len(live)} peers | "
                   f"{status.get('samples_per_second', 0):6.1f} samples/s | mean loss {loss:.4f}", flush=True)
     finally:
-        for proc in volunteers.values():  # leave cleanly, like Ctrl-C
-            launch.stop(proc, signal.SIGINT, 90)
+        # Leave cleanly, like Ctrl-C, all at once (as Ctrl-C reaches them): one at a time, each
+        # would leave a smaller swarm behind and the last would wait out a round alone.
+        launch.stop_all(volunteers.values(), signal.SIGINT, 90)
         launch.stop(coordinator, signal.SIGTERM, 60)
 
     summary = summarize(out, list(volunteers))

@@ -1,0 +1,54 @@
+"""The launcher's stop of several process groups (``crowdtrain.launch.stop_all``): what the test
+swarms' teardown and ``crowdtrain demo`` rely on to end a run quickly and leave nothing behind."""
+
+import os
+import signal
+import sys
+import time
+
+from crowdtrain.launch import spawn, stop_all
+
+# A process that ignores SIGTERM (a peer busy with its clean leave) and has a child in its group
+# (a peer's DHT and averager processes, its p2p daemon).
+STUBBORN = ("import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
+            "open(sys.argv[1], 'w').write(str(child.pid)); time.sleep(60)")
+
+
+def test_stop_all_gives_every_group_one_shared_grace_then_kills_them_with_their_children(tmp_path):
+    procs, child_files = [], []
+    for i in range(3):
+        child_files.append(tmp_path / f"child{i}.pid")
+        procs.append(spawn([sys.executable, "-c", STUBBORN, str(child_files[-1])], tmp_path / f"p{i}.log"))
+    deadline = time.monotonic() + 30
+    while not all(f.exists() and f.read_text() for f in child_files):
+        assert time.monotonic() < deadline, [(tmp_path / f"p{i}.log").read_text() for i in range(3)]
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    stop_all(procs, signal.SIGTERM, 1.5)
+    took = time.monotonic() - t0
+    # One grace for all three, not one each (4.5 s).
+    assert 1.4 < took < 3.5, took
+    assert all(p.returncode == -signal.SIGKILL for p in procs), [p.returncode for p in procs]
+    for f in child_files:  # the children went with their groups
+        pid = int(f.read_text())
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]:
+            assert time.monotonic() < deadline, f"child {pid} outlived its group's SIGKILL"
+            time.sleep(0.05)
+
+
+def test_stop_all_lets_groups_that_leave_cleanly_exit_with_their_own_code(tmp_path):
+    leave = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+             "open(sys.argv[1], 'w').write('ready'); time.sleep(60)")
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    procs = [spawn([sys.executable, "-c", leave, str(r)], tmp_path / f"p{i}.log") for i, r in enumerate(ready)]
+    deadline = time.monotonic() + 30
+    while not all(r.exists() for r in ready):  # the handlers are in place
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    stop_all(procs, signal.SIGTERM, 20)
+    assert time.monotonic() - t0 < 5
+    assert [p.returncode for p in procs] == [0, 0]
