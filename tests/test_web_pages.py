@@ -210,6 +210,27 @@ def test_dashboard_history_is_averaged_down_for_long_runs():
     assert pages.downsample(points[:10], 1500) == points[:10]
 
 
+def test_the_dashboards_history_is_read_again_only_when_a_point_was_added(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'c.sqlite'}")
+    for i in range(50):
+        store.record_swarm_point(epoch=i, loss=5.0 - i / 100, active_peers=2, samples_per_second=10.0, at=1000.0 + i)
+    reads = []
+    full = store.swarm_history
+
+    def counted(**kwargs):
+        reads.append(kwargs.get("limit"))
+        return full(**kwargs)
+    store.swarm_history = counted
+    drawn = pages.DrawnHistory(store, max_points=20)
+    first = drawn.read()
+    assert len(first) <= 20 and first[-1]["epoch"] == 49 and reads == [100_000]
+    assert drawn.read() is first and reads == [100_000, 1], "no new point: one probe, the same drawing"
+    store.record_swarm_point(epoch=50, loss=4.4, active_peers=3, samples_per_second=12.0, at=1050.0)
+    again = drawn.read()
+    assert again[-1]["epoch"] == 50 and again[-1]["active_peers"] == 3, "a new point: drawn again, with it"
+    assert reads == [100_000, 1, 1, 100_000]
+
+
 def test_downtime_is_a_gap_in_the_charts_and_no_time_to_the_end_is_given_while_nobody_trains(run):
     """A stopped coordinator records no points: the charts must not draw a line across the silence
     (throughput sloping down over minutes when nothing ran), neither on the page nor in the
