@@ -44,14 +44,12 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
-# Serial by default. TEST_WORKERS=2 runs two workers taking whole test files each (pytest-xdist;
-# module fixtures such as a shared swarm still start once): 18 minutes instead of 26 on a 2-core
-# machine, but two real-process swarm tests at once push some past their margins there (seen: a
-# newcomer downloading the state twice, the dashboard's live refresh past 60 s). Use it on a
-# machine with 4 or more cores.
-TEST_WORKERS ?= 0
+# Workers (pytest-xdist) take tests longest first (tests/durations.json); a module sharing a
+# module-scoped fixture stays on one worker. TEST_WORKERS=0 runs serially (one test at a time,
+# easiest to read); on a machine with more cores, more workers.
+TEST_WORKERS ?= 2
 test: sysdeps install
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 bench: install
 	$(PYTHON) benchmarks/run_all.py

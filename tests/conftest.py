@@ -1,7 +1,9 @@
 """Fixtures shared by the tests: real-process swarms, and the database URLs (SQLite and a real
 PostgreSQL) the coordinator's storage is tested against."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,60 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+# Seconds each multi-second test took on a 2-core machine (set-up included; ``pytest
+# --store-durations`` rewrites it). Workers take the longest first, so the run does not end on one
+# worker finishing a long swarm test alone; a test missing here counts as a second.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write each test's duration (>= 2 s) to {DURATIONS.name}, for the workers' order")
+
+
+def module_scoped(item) -> bool:
+    return any(d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    skip_cuda_without_a_gpu(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        order_for_workers(items)
+
+
+def order_for_workers(items):
+    """With workers (``--dist loadgroup``): a module whose tests share a module-scoped fixture (a
+    venv, a trained run, a browser) runs on one worker, so the fixture is built once; the rest are
+    handed out longest first (``durations.json``)."""
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    group = {}
+    for item in items:
+        if module_scoped(item):
+            group[item.nodeid] = item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    weight: dict[str, float] = {}
+    for item in items:
+        key = group.get(item.nodeid, item.nodeid)
+        weight[key] = weight.get(key, 0.0) + known.get(item.nodeid, 1.0)
+    order = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-weight[group.get(item.nodeid, item.nodeid)], order[item.nodeid]))
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("store_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        slow = {k.split("@")[0]: round(v, 1) for k, v in sorted(_durations.items()) if v >= 2.0}
+        DURATIONS.write_text(json.dumps(slow, indent=0) + "\n")
+
+
+def skip_cuda_without_a_gpu(items):
     """Tests marked ``cuda`` are skipped, with the reason, where torch sees no CUDA device: a
     CPU-only machine reports them as SKIPPED, never as passed (benchmarks/gpu_check.sh runs them)."""
     import torch
