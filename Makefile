@@ -49,7 +49,7 @@ demo: install
 # easiest to read); on a machine with more cores, more workers.
 TEST_WORKERS ?= 2
 test: sysdeps install
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
 
 bench: install
 	$(PYTHON) benchmarks/run_all.py

@@ -1,6 +1,7 @@
 """Fixtures shared by the tests: real-process swarms, and the database URLs (SQLite and a real
 PostgreSQL) the coordinator's storage is tested against."""
 
+import ast
 import json
 import os
 from pathlib import Path
@@ -30,33 +31,58 @@ def pytest_addoption(parser):
                      help=f"write each test's duration (>= 2 s) to {DURATIONS.name}, for the workers' order")
 
 
-def module_scoped(item) -> bool:
-    return any(d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+def modules_sharing_fixtures() -> set[str]:
+    """Test modules (as node ids name them) with a module-scoped fixture: a trained run, a fresh
+    venv, a browser. Their tests run on one worker, so the fixture is built once."""
+    shared = set()
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and any(k.arg == "scope" and getattr(k.value, "value", None) == "module"
+                                                  for k in node.keywords):
+                shared.add(f"{path.parent.name}/{path.name}")
+    return shared
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def work_unit(nodeid: str, shared: set[str]) -> str:
+    module = nodeid.split("::")[0]
+    return module if module in shared else nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` (``--dist load``, the default with workers): units of work are single tests, or a
+    whole module sharing a fixture, handed out in the workers' order (longest first, below)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    shared = modules_sharing_fixtures()
+
+    class LongestFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid, shared)
+
+    config.option.loadscopereorder = False  # keep the longest-first order
+    return LongestFirst(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     skip_cuda_without_a_gpu(items)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        order_for_workers(items)
+        order_longest_first(items)
 
 
-def order_for_workers(items):
-    """With workers (``--dist loadgroup``): a module whose tests share a module-scoped fixture (a
-    venv, a trained run, a browser) runs on one worker, so the fixture is built once; the rest are
-    handed out longest first (``durations.json``)."""
+def order_longest_first(items):
+    """Each unit of work (``work_unit``) by its known duration (``durations.json``), longest first."""
     known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    group = {}
-    for item in items:
-        if module_scoped(item):
-            group[item.nodeid] = item.module.__name__
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    shared = modules_sharing_fixtures()
     weight: dict[str, float] = {}
     for item in items:
-        key = group.get(item.nodeid, item.nodeid)
-        weight[key] = weight.get(key, 0.0) + known.get(item.nodeid, 1.0)
+        unit = work_unit(item.nodeid, shared)
+        weight[unit] = weight.get(unit, 0.0) + known.get(item.nodeid, 1.0)
     order = {item.nodeid: i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-weight[group.get(item.nodeid, item.nodeid)], order[item.nodeid]))
+    items.sort(key=lambda item: (-weight[work_unit(item.nodeid, shared)], order[item.nodeid]))
 
 
 _durations: dict[str, float] = {}
@@ -68,7 +94,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session):
     if session.config.getoption("store_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
-        slow = {k.split("@")[0]: round(v, 1) for k, v in sorted(_durations.items()) if v >= 2.0}
+        slow = {k: round(v, 1) for k, v in sorted(_durations.items()) if v >= 2.0}
         DURATIONS.write_text(json.dumps(slow, indent=0) + "\n")
 
 
