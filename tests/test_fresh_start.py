@@ -20,45 +20,44 @@ STALLED_S = 150.0  # for both runs' peers to reach ROUNDS epochs
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fresh_two_and_three_peer_runs_form_their_first_rounds_in_full(tmp_path):
-    """Two fresh runs side by side (each its own coordinator: a busy machine, as in CI), twice."""
+    """Two fresh runs side by side, each its own coordinator: a busy machine, as in CI."""
     failures = []
-    for attempt in range(2):
-        swarms = {}
-        try:
-            for peers in (2, 3):
-                swarm = swarms[peers] = LocalSwarm(tmp_path / f"{attempt}-{peers}", swarm=FRESH)
-                (swarm.tmp).mkdir(parents=True)
-                swarm.start_coordinator()
-            joined = time.monotonic()
-            for peers, swarm in swarms.items():
-                for i in range(peers):
-                    swarm.join(f"p{i}", batch_size=16, max_epochs=ROUNDS)
-            for peers, swarm in swarms.items():
-                for i in range(peers):
-                    assert swarm.wait_exit(f"p{i}", 300) == 0, swarm.log(f"p{i}")[-3000:]
-            # The stall made each epoch last a minute (a failed round, then a 30 s wait for a state
-            # nobody had); these epochs take seconds, so three of them stay far below this bound.
-            took = time.monotonic() - joined
-            if took > STALLED_S:
-                failures.append((attempt, "both runs", f"{took:.0f} s to {ROUNDS} epochs"))
-            for peers, swarm in swarms.items():
-                # The coordinator heard of the rounds (the peers' signed round counts): what its
-                # "rounds are failing" problem is made of.
-                deadline = time.monotonic() + 30
-                while swarm.status()["rounds"].get("rounds", 0) < 1 and time.monotonic() < deadline:
-                    time.sleep(1)
-                assert swarm.status()["rounds"].get("rounds", 0) >= 1, swarm.status()
-                for i in range(peers):
-                    summary = swarm.summary(f"p{i}")
-                    assert summary.get("state_download_skipped"), "every peer built the run's initial model"
-                    groups = [r["group_size"] for r in summary["rounds"]][:ROUNDS]
-                    # The first round in full: every peer found all the others at once. Later
-                    # rounds never alone ("could not find a group", the stall's first sign); a peer
-                    # starved of CPU on this busy machine may still miss part of one round and catch
-                    # up by downloading the state, leaving its partners a round or two of fewer.
-                    if not groups or groups[0] != peers or min(groups) < 2:
-                        failures.append((attempt, peers, f"p{i}", groups, swarm.log(f"p{i}")[-2000:]))
-        finally:
-            for swarm in swarms.values():
-                swarm.close()
+    swarms = {}
+    try:
+        for peers in (2, 3):
+            swarm = swarms[peers] = LocalSwarm(tmp_path / f"{peers}", swarm=FRESH)
+            (swarm.tmp).mkdir(parents=True)
+            swarm.start_coordinator()
+        joined = time.monotonic()
+        for peers, swarm in swarms.items():
+            for i in range(peers):
+                swarm.join(f"p{i}", batch_size=16, max_epochs=ROUNDS)
+        for peers, swarm in swarms.items():
+            for i in range(peers):
+                assert swarm.wait_exit(f"p{i}", 300) == 0, swarm.log(f"p{i}")[-3000:]
+        # The stall made each epoch last a minute (a failed round, then a 30 s wait for a state
+        # nobody had); these epochs take seconds, so three of them stay far below this bound.
+        took = time.monotonic() - joined
+        if took > STALLED_S:
+            failures.append(("both runs", f"{took:.0f} s to {ROUNDS} epochs"))
+        for peers, swarm in swarms.items():
+            # The coordinator heard of the rounds (the peers' signed round counts): what its
+            # "rounds are failing" problem is made of.
+            deadline = time.monotonic() + 30
+            while swarm.status()["rounds"].get("rounds", 0) < 1 and time.monotonic() < deadline:
+                time.sleep(1)
+            assert swarm.status()["rounds"].get("rounds", 0) >= 1, swarm.status()
+            for i in range(peers):
+                summary = swarm.summary(f"p{i}")
+                assert summary.get("state_download_skipped"), "every peer built the run's initial model"
+                groups = [r["group_size"] for r in summary["rounds"]][:ROUNDS]
+                # The first round in full: every peer found all the others at once. Later
+                # rounds never alone ("could not find a group", the stall's first sign); a peer
+                # starved of CPU on this busy machine may still miss part of one round and catch
+                # up by downloading the state, leaving its partners a round or two of fewer.
+                if not groups or groups[0] != peers or min(groups) < 2:
+                    failures.append((peers, f"p{i}", groups, swarm.log(f"p{i}")[-2000:]))
+    finally:
+        for swarm in swarms.values():
+            swarm.close()
     assert not failures, failures
