@@ -38,9 +38,11 @@ def test_volunteers_ride_out_a_coordinator_outage_and_reconnect(swarm_factory, t
     swarm.wait_in_step(list(peers), 180)  # both training, both seen by the coordinator
     swarm.wait_epoch(swarm.status()["epoch"] + 1, 90)
 
+    # The logs' lengths before the kill: a peer may fail its first fetch while the coordinator is
+    # still shutting down.
+    at_kill = {n: len(swarm.log(n)) for n in peers}
     swarm.kill("coordinator", signal.SIGTERM)
     down_unix = time.time()
-    at_kill = {n: len(swarm.log(n)) for n in peers}
     time.sleep(OUTAGE_S)  # the outage itself: nothing to poll for while the coordinator is down
     for name in peers:
         assert swarm.procs[name].poll() is None, f"{name} died during the outage:\n{swarm.log(name)[-3000:]}"
