@@ -44,10 +44,13 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
-# Workers (pytest-xdist) take tests longest first (tests/durations.json); a module sharing a
-# module-scoped fixture stays on one worker. TEST_WORKERS=0 runs serially (one test at a time,
-# easiest to read); on a machine with more cores, more workers.
-TEST_WORKERS ?= 2
+# Serial by default: one test at a time (about 26 minutes on a 2-core machine). TEST_WORKERS=2
+# runs two pytest-xdist workers, longest tests first, a module sharing a module-scoped fixture on
+# one worker (tests/conftest.py): about 17 minutes on 2 cores, but two real-process swarm tests at
+# once push the most timing-bound ones past their margins there (seen: a fresh run's third peer
+# starting after the first round, the equivalence test's first round without both peers). Use
+# workers on a machine with 4 or more cores.
+TEST_WORKERS ?= 0
 test: sysdeps install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
 
