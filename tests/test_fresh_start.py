@@ -1,6 +1,7 @@
 """A fresh run starts cleanly: volunteers that join a new run together meet in their first rounds
-and soon hold rounds in full (the stall: both peers' first rounds failed with "could not find a group", then each waited
-30 s for a state nobody had, so an epoch took a minute instead of seconds)."""
+and soon hold rounds in full (the stall: both peers' first rounds failed with "could not find a
+group", then each waited 30 s for a state nobody had, so an epoch took a minute instead of
+seconds)."""
 
 from __future__ import annotations
 

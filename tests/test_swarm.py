@@ -38,8 +38,9 @@ def initial_loss() -> float:
 def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_model_is_refused(swarm_factory):
     # Epochs of about 10 s (several matchmaking windows and tracker refreshes), as in a real run
     # where an epoch holds minutes of compute: shorter ones measure start-up races, not averaging.
-    # State averaging every 3 epochs. Between state rounds, peers agree because every peer that missed a round or got
-    # part of its average only downloads the state of those that averaged in full.
+    # State averaging every 3 epochs. Between state rounds, peers agree because every peer that
+    # missed a round or got part of its average only downloads the state of those that averaged
+    # in full.
     swarm = swarm_factory(swarm={"target_batch_size": 768, "average_state_every": 3})
     swarm.start_coordinator()
     # At least `epochs` epochs, and on until a round had all three peers (the ledger check below
