@@ -112,3 +112,19 @@ NOISE_LINES = ("Failed to load CPU gemm_4bit_forward", "Another look_for_group i
 
 def noise_in(text: str) -> list[str]:
     return [line for line in text.splitlines() if any(n in line for n in NOISE_LINES)]
+
+
+def process_group(pgid: int) -> dict[int, str]:
+    """The live processes of a process group (a run's launcher starts each in its own): pid -> command."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except (OSError, ValueError):
+            continue
+    return members

@@ -108,21 +108,9 @@ def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_
     assert sum(m.norm() for m in momentum) > 0
 
 
-@pytest.mark.timeout(360)
-def test_overlapped_outer_rounds_train_on_during_the_round_and_still_agree(swarm_factory):
-    """``overlap_outer_round``: inner steps go on while the pseudo-gradient round runs, the outer
-    step lands when it ends, and every peer still holds the same global parameters after it."""
-    swarm = swarm_factory(swarm={"mode": "diloco", "overlap_outer_round": True, "target_batch_size": 768,
-                                 "lr": 0.003, "warmup_epochs": 1, "total_epochs": 20})
-    swarm.start_coordinator()
-    epochs = 6
-    names = ("a", "b", "c")
-    # Steps of 0.2 s or more: peers reach the sync point up to a tracker refresh apart, so the
-    # first to start a round waits for the others for several of its own steps.
-    for name in names:
-        swarm.join(name, batch_size=16, max_epochs=epochs, extra=["--simulated-step-s", "0.2"])
-    for name in names:
-        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+def check_overlapped_run(swarm, names, epochs) -> None:
+    """``overlap_outer_round``: inner steps went on while the pseudo-gradient round ran, the outer
+    step landed when it ended, and every peer still held the same global parameters after it."""
     summaries = {n: swarm.summary(n) for n in names}
     for epoch, digests in digests_by_epoch(summaries, skip_overtaken=False).items():
         assert len(set(digests.values())) == 1, (epoch, digests)
@@ -140,20 +128,10 @@ def test_overlapped_outer_rounds_train_on_during_the_round_and_still_agree(swarm
     assert pattern_loss(swarm.tmp / "a.safetensors") < pattern_loss() - 0.5
 
 
-@pytest.mark.timeout(360)
-def test_centered_clip_keeps_a_scaling_attacker_from_derailing_diloco(swarm_factory):
+def check_attacked_run(swarm, epochs) -> None:
     """Four peers, one sending its pseudo-gradient times 1000 every round. With ``mean`` the outer
     step would move the model 250 times too far (SGD does not normalise); centered clip bounds
     the attacker's pull (benchmarks/bench_robust.py has every attack, both rules, both modes)."""
-    swarm = swarm_factory(swarm={"mode": "diloco", "aggregation": "centered_clip", "target_batch_size": 768,
-                                 "lr": 0.003, "warmup_epochs": 1, "total_epochs": 20})
-    swarm.start_coordinator()
-    epochs = 4
-    for name in ("a", "b", "c"):
-        swarm.join(name, batch_size=16, max_epochs=epochs)
-    swarm.join("evil", batch_size=16, max_epochs=epochs, extra=["--inject-fault", "attack=scale"])
-    for name in ("a", "b", "c", "evil"):
-        assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
     start = pattern_loss()
     losses = {n: pattern_loss(swarm.tmp / f"{n}.safetensors") for n in "abc"}
     assert all(loss < start - 0.5 for loss in losses.values()), (start, losses)
@@ -167,6 +145,33 @@ def test_centered_clip_keeps_a_scaling_attacker_from_derailing_diloco(swarm_fact
     assert honest["suspects_found"] >= epochs - 1, honest
     samples = sum(swarm.summary(n)["samples"] for n in "abc")
     assert samples >= (epochs - 1) * 768 + 3 / 4 * 768, samples
+
+
+@pytest.mark.timeout(420)
+def test_overlapped_outer_rounds_agree_and_centered_clip_holds_off_a_scaling_attacker(swarm_factory, tmp_path):
+    """Two DiLoCo runs side by side, each its own coordinator and folder (their subjects are
+    apart; the machine's two cores are mostly idle while peers wait on rounds): overlapped outer
+    rounds (``check_overlapped_run``) and centered clip against an attacker (``check_attacked_run``)."""
+    base = {"mode": "diloco", "target_batch_size": 768, "lr": 0.003, "warmup_epochs": 1, "total_epochs": 20}
+    overlapped = swarm_factory(swarm={**base, "overlap_outer_round": True})
+    attacked = swarm_factory(swarm={**base, "aggregation": "centered_clip"})
+    attacked.tmp = tmp_path / "attacked"
+    attacked.tmp.mkdir()
+    attacked.run_dir = attacked.tmp / "run"
+    overlapped.start_coordinator()
+    attacked.start_coordinator()
+    overlapped_epochs, attacked_epochs = 6, 4
+    # Steps of 0.2 s or more: peers reach the sync point up to a tracker refresh apart, so the
+    # first to start a round waits for the others for several of its own steps.
+    for name in ("a", "b", "c"):
+        overlapped.join(name, batch_size=16, max_epochs=overlapped_epochs, extra=["--simulated-step-s", "0.2"])
+        attacked.join(name, batch_size=16, max_epochs=attacked_epochs)
+    attacked.join("evil", batch_size=16, max_epochs=attacked_epochs, extra=["--inject-fault", "attack=scale"])
+    for swarm, names in ((attacked, "abc"), (overlapped, "abc"), (attacked, ["evil"])):
+        for name in names:
+            assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    check_attacked_run(attacked, attacked_epochs)
+    check_overlapped_run(overlapped, "abc", overlapped_epochs)
 
 
 def test_the_outer_state_survives_a_pickle_free_checkpoint(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from crowdtrain.launch import free_port, get_json
+from tests.swarm_harness import process_group
 
 pytestmark = pytest.mark.timeout(240)
 # Python start-up and the coordinator's imports on a busy 2-core machine; the clash used to show
@@ -143,50 +144,6 @@ def test_joining_a_port_where_no_coordinator_listens_says_so_on_the_first_line()
     assert any("retrying in" in line for line in ours[1:]), "".join(lines)
 
 
-def _process_group(pgid: int) -> dict[int, str]:
-    """The live processes of a process group (a run's launcher starts each in its own): pid -> command."""
-    members = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                members[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
-        except (OSError, ValueError):
-            continue
-    return members
-
-
-@pytest.mark.timeout(300)
-def test_every_process_of_a_run_ends_when_its_top_process_gets_a_signal(swarm_factory):
-    """`kill`, `systemctl stop`, a closed terminal or the OOM killer reach only a run's top process:
-    its auxiliary peer, hivemind's DHT and averager processes and their p2p daemons must end too."""
-    swarm = swarm_factory()
-    swarm.start_coordinator()
-    for name in ("hangup", "killed"):
-        swarm.join(name, batch_size=8, max_epochs=100_000)
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and not all("| loss" in swarm.log(n) for n in ("hangup", "killed")):
-        time.sleep(1)
-    top = {name: swarm.procs[name].pid for name in ("coordinator", "hangup", "killed")}
-    before = {name: _process_group(pid) for name, pid in top.items()}
-    for name, members in before.items():  # each has children to lose: forks and a p2p daemon
-        assert len(members) >= 3 and any("p2pd" in c for c in members.values()), (name, members, swarm.log(name)[-2000:])
-    os.kill(top["hangup"], signal.SIGHUP)
-    os.kill(top["killed"], signal.SIGKILL)
-    os.kill(top["coordinator"], signal.SIGTERM)
-    deadline = time.monotonic() + 120
-    left = before
-    while time.monotonic() < deadline and any(left.values()):
-        time.sleep(1)
-        left = {name: _process_group(pid) for name, pid in top.items()}
-    assert not any(left.values()), left
-    assert "leaving the swarm" in swarm.log("hangup"), swarm.log("hangup")[-2000:]
-    assert not (swarm.run_dir / "aux.pid").exists()  # a clean stop leaves no stale pid file
-
-
 @pytest.mark.timeout(240)
 def test_a_coordinator_ends_its_auxiliary_peer_on_sigint_sighup_and_its_own_sigkill(swarm_factory, tmp_path):
     """The other ways a coordinator is stopped (Ctrl-C, a closed terminal, the OOM killer), three
@@ -199,11 +156,11 @@ def test_a_coordinator_ends_its_auxiliary_peer_on_sigint_sighup_and_its_own_sigk
         swarm.start_coordinator()
     top = {sig: swarm.procs["coordinator"].pid for sig, swarm in swarms.items()}
     for sig, pid in top.items():
-        assert any("crowdtrain.auxpeer" in c for c in _process_group(pid).values()), _process_group(pid)
+        assert any("crowdtrain.auxpeer" in c for c in process_group(pid).values()), process_group(pid)
         os.kill(pid, sig)
     deadline = time.monotonic() + 90
-    left = {sig.name: _process_group(pid) for sig, pid in top.items()}
+    left = {sig.name: process_group(pid) for sig, pid in top.items()}
     while time.monotonic() < deadline and any(left.values()):
         time.sleep(1)
-        left = {sig.name: _process_group(pid) for sig, pid in top.items()}
+        left = {sig.name: process_group(pid) for sig, pid in top.items()}
     assert not any(left.values()), left

@@ -1,6 +1,7 @@
 """The swarm with real processes on 127.0.0.1: a coordinator and volunteers training `tiny` together."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -12,12 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from crowdtrain.launch import get_json
-from crowdtrain.model import get_preset
 from crowdtrain.swarm.hivemind_seam import state as hivemind_seam_state
 from crowdtrain.swarm.metrics import Ledger
-from crowdtrain.train.task import DalleTask, build_initial_model, stable_seed
 from crowdtrain.train.validate import pattern_loss
-from tests.swarm_harness import check_ledger, newcomer_storm, noise_in
+from tests.swarm_harness import check_ledger, newcomer_storm, noise_in, process_group
 
 # A volunteer's line at each new epoch: the epoch and its last round's group size.
 STEP_LINE = re.compile(r"epoch (\d+) \| loss [\d.]+ \| .* peers in last round (\d+)/\d+")
@@ -73,6 +72,15 @@ def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_mode
     codes.update({n: swarm.procs[n].returncode for n in "abc" if n not in codes})
     assert codes == {"a": 0, "b": 0, "c": 0}, {n: swarm.log(n)[-3000:] for n in codes}
     summaries = {n: swarm.summary(n) for n in "abc"}
+    # The logs say what happened and nothing a user cannot act on: a line per epoch or per 5 s,
+    # not per step; a last line with what the peer contributed.
+    for name, summary in summaries.items():
+        log = swarm.log(name)
+        assert not noise_in(log), noise_in(log)
+        assert log.count("| loss") <= summary["final_epoch"] + summary["seconds"] / 5 + 2, log[-3000:]
+        assert summary["steps"] > 2 * (summary["final_epoch"] + summary["seconds"] / 5 + 2), summary["steps"]
+        assert f"contributed {summary['samples']} samples in {summary['steps']} steps" in log, log[-2000:]
+    assert not noise_in((swarm.run_dir / "aux.log").read_text()), noise_in((swarm.run_dir / "aux.log").read_text())
     finals = {n: s["final_epoch"] for n, s in summaries.items()}
     assert min(finals.values()) >= epochs and max(finals.values()) - min(finals.values()) <= 1, finals
     # Peers that joined before the first step built the run's seeded initial model and skipped
@@ -154,73 +162,50 @@ def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once
     assert sum(u["sent"] for u in storm["uploads"].values()) >= 4, storm["uploads"]
 
 
-@pytest.mark.timeout(480)
-def test_two_peers_learn_what_one_peer_learns_with_the_same_global_batch(swarm_factory, tmp_path):
-    """Same global batch, same number of optimizer steps, same update rule: real processes.
+# A small data set (300 rows in two shards) served by the coordinator: each peer starts a new pass
+# over it, and fetches the shards again, every few seconds, so a coordinator outage certainly hits
+# fetches (the test checks the peers' logs to be sure it did). `tiny` with the shapes tokenizer's codes.
+OUTAGE_S = 25.0
+SHAPES_MODEL = ["--model", "image_vocab_size=1280", "--model", "image_code_factors=[256,5]"]
 
-    The exact maths of a round is checked in tests/test_equivalence.py; this is the end-to-end
-    check that whole runs agree. Without the delayed update, whose one-step-stale gradients cost
-    a lot in 3 s epochs where a round fills most of the epoch. Measured: the pair's loss gain
-    1.15x the lone peer's; 0.60-0.82x while hivemind's initializing LAMB step still counted in
-    the bias correction (ClippedLAMB8bit). Both peers end with the same parameters (gradient
-    rounds give every member the same average; a peer stepping on its own gradients would drift
-    off by a whole update per epoch).
-    """
-    epochs = 10
-    in_line = {"delay_optimizer_step": False}
-    # The two runs side by side: each its own coordinator and folder. What is compared is counted
-    # in samples and steps, not seconds.
-    solo = swarm_factory(swarm=in_line)
-    (tmp_path / "pair").mkdir()
-    pair = swarm_factory(swarm=in_line)
-    pair.tmp = tmp_path / "pair"
-    pair.run_dir = pair.tmp / "run"
-    solo.start_coordinator()
-    pair.start_coordinator()
-    solo.join("solo", batch_size=16, max_epochs=epochs)
-    pair.join("p1", batch_size=8, max_epochs=epochs)
-    pair.join("p2", batch_size=8, max_epochs=epochs)
-    assert solo.wait_exit("solo", 300) == 0, solo.log("solo")[-3000:]
-    for name in ("p1", "p2"):
-        assert pair.wait_exit(name, 300) == 0, pair.log(name)[-3000:]
-    solo_loss = eval_loss(solo.tmp / "solo.safetensors")
-    pair_loss = eval_loss(pair.tmp / "p1.safetensors")
-    # The logs say what happened and nothing a user cannot act on: a line per epoch or per 5 s,
-    # not per step; a last line with what the peer contributed.
-    for name in ("p1", "p2"):
-        log = pair.log(name)
-        assert not noise_in(log), noise_in(log)
-        summary = pair.summary(name)
-        assert log.count("| loss") <= summary["final_epoch"] + summary["seconds"] / 5 + 2, log[-3000:]
-        assert summary["steps"] > 2 * (summary["final_epoch"] + summary["seconds"] / 5 + 2), summary["steps"]
-        assert f"contributed {summary['samples']} samples in {summary['steps']} steps" in log, log[-2000:]
-    assert not noise_in((pair.run_dir / "aux.log").read_text()), noise_in((pair.run_dir / "aux.log").read_text())
-    start = initial_loss()
-    solo_gain, pair_gain = start - solo_loss, start - pair_loss
-    print(f"loss from {start:.3f}: solo {solo_loss:.3f}, pair {pair_loss:.3f}; pair/solo gain {pair_gain / solo_gain:.2f}")
-    assert solo_gain > 0.15, (start, solo_loss)
-    # Run-to-run noise (data order, rounds on a busy machine) moves the ratio by about 0.2.
-    assert 0.7 < pair_gain / solo_gain < 1.45, (start, solo_loss, pair_loss)
-    p1, p2 = (load_file(str(pair.tmp / f"{n}.safetensors")) for n in ("p1", "p2"))
-    init = build_initial_model(DalleTask(get_preset("tiny")), stable_seed("test")).state_dict()  # the run's
-    moved = sum((p1[k] - v).norm() ** 2 for k, v in init.items()) ** 0.5
-    apart = sum((p1[k] - p2[k]).norm() ** 2 for k in p1) ** 0.5
-    print(f"the peers' parameters are {apart / moved:.2e} of their distance from the start apart")
-    assert apart / moved < 0.02, (apart, moved)
+
+def wait_for_groups_to_end(pgids: dict[str, int], timeout: float) -> None:
+    """Until no process is left in the named process groups (each a signalled top process's)."""
+    deadline = time.monotonic() + timeout
+    left = {name: process_group(pgid) for name, pgid in pgids.items()}
+    while any(left.values()) and time.monotonic() < deadline:
+        time.sleep(1)
+        left = {name: process_group(pgid) for name, pgid in pgids.items()}
+    assert not any(left.values()), f"processes left after their top process was signalled: {left}"
 
 
 # One rerun: a slow, shared 2-core machine crosses this test's timing margins now and then;
 # a broken feature fails both runs.
 @pytest.mark.flaky(reruns=1)
-@pytest.mark.timeout(600)
-def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
+@pytest.mark.timeout(720)
+def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, tmp_path):
+    """One run through what a real one meets: a volunteer killed mid-run, a newcomer, the
+    coordinator down for a while and restarted (the volunteers ride the outage out, averaging on
+    and retrying the data source, and the restarted coordinator finds them again), a volunteer
+    whose terminal closes. `kill`, the OOM killer, `systemctl stop` or a closed terminal reach only
+    a run's top process: its hivemind processes and p2p daemons must end with it."""
+    from crowdtrain.data import ensure_demo_shards
+
+    shards = ensure_demo_shards(tmp_path / "shapes", num_train=300)
     # total_epochs: the volunteers train until the test stops them, never to the run's last epoch.
-    swarm = swarm_factory(swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000})
-    first = swarm.start_coordinator()
+    swarm = swarm_factory(data=str(shards), swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000})
+    first = swarm.start_coordinator(extra=SHAPES_MODEL)
+    assert first["task"]["data"].endswith("/shards"), "the volunteers stream from the coordinator"
     for name in ("a", "b", "victim"):
         swarm.join(name, batch_size=16, max_epochs=1000)
     swarm.wait_epoch(3, 180)
-    swarm.kill("victim")  # SIGKILL mid-run: the others go on within one averaging timeout
+    # SIGKILL to the victim's top process only, as the OOM killer does: the others go on within one
+    # averaging timeout, and the victim's own DHT, averager and p2p daemon processes end too.
+    signalled = {"victim": swarm.procs["victim"].pid}
+    members = process_group(signalled["victim"])
+    assert len(members) >= 3 and any("p2pd" in c for c in members.values()), members  # forks and a p2p daemon
+    os.kill(swarm.procs["victim"].pid, signal.SIGKILL)
+    swarm.procs["victim"].wait()
     killed_at = swarm.status()["epoch"]
     swarm.wait_epoch(killed_at + 2, 30 + 90)
 
@@ -242,28 +227,82 @@ def test_churn_killed_peer_newcomer_and_coordinator_restart(swarm_factory):
     assert at_join.count("Finished downloading state") == state_downloads, "only the state: no gradient buffers"
     assert "Downloading parameters from peer" not in at_join, "only the state: no gradient buffers"
 
-    swarm.kill("coordinator", signal.SIGTERM)
-    restarted = swarm.start_coordinator()
+    # The coordinator goes down (SIGTERM to its top process: its auxiliary peer ends with it) and
+    # stays down for OUTAGE_S. The logs' lengths are taken before: a peer may fail its first fetch
+    # while the coordinator is still shutting down.
+    peers = ("a", "b", "newcomer")
+    at_kill = {n: len(swarm.log(n)) for n in peers}
+    signalled["coordinator"] = swarm.procs["coordinator"].pid
+    members = process_group(signalled["coordinator"])
+    assert any("crowdtrain.auxpeer" in c for c in members.values()), members
+    os.kill(swarm.procs["coordinator"].pid, signal.SIGTERM)
+    down_unix = time.time()
+    swarm.procs["coordinator"].wait(timeout=60)
+    time.sleep(max(0.0, down_unix + OUTAGE_S - time.time()))  # nothing to poll for while it is down
+    for name in peers:
+        assert swarm.procs[name].poll() is None, f"{name} died during the outage:\n{swarm.log(name)[-3000:]}"
+    wait_for_groups_to_end(signalled, 30)
+    assert not (swarm.run_dir / "aux.pid").exists(), "a clean stop leaves no stale pid file"
+    restarted = swarm.start_coordinator(extra=SHAPES_MODEL)
+    up_unix = time.time()
     assert restarted["coordinator_peer_id"] == first["coordinator_peer_id"], "identity survives a restart"
-    # The restarted coordinator finds the running swarm again and sees it progress.
-    at_restart = swarm.wait_epoch(0, 120)["epoch"]
-    swarm.wait_epoch(at_restart + 3, 240)
+    for name in peers:
+        during = swarm.log(name)[at_kill[name]:]
+        assert "the data source" in during and "does not answer" in during, \
+            f"{name} never failed a fetch during the outage:\n{during[-3000:]}"
+        assert re.search(r"data source still down after \d+ s: retry \d+", during), during[-3000:]
+        assert "skipping shard" not in swarm.log(name), "an outage is not broken data"
+
+    # The restarted coordinator finds the volunteers again (through the peers it saw last time)...
+    deadline = time.monotonic() + 90
+    seen = set()
+    while time.monotonic() < deadline:
+        try:
+            seen = {p["user"] for p in swarm.status().get("peers", []) if p["time"] > up_unix}
+        except OSError:
+            seen = set()
+        if seen >= set(peers):
+            break
+        time.sleep(1)
+    assert seen >= set(peers), f"the restarted coordinator sees {seen}\n" + swarm.log("coordinator")[-2000:]
+    # ... sees the swarm progress and checkpoints it...
+    at_restart = swarm.status()["epoch"]
+    swarm.wait_epoch(at_restart + 2, 240)
     assert swarm.status()["last_checkpoint_epoch"] > killed_at
+    # ... and the data streams again: at the next retry, at most retry_max_delay_s (30 s) after the
+    # last, later when the shuffle buffer pulls rows in bursts (up to half of it between pulls).
+    deadline = time.monotonic() + 120
+    while not all("answers again" in swarm.log(n)[at_kill[n]:] for n in peers):
+        assert time.monotonic() < deadline, {n: swarm.log(n)[-1500:] for n in peers}
+        time.sleep(1)
 
     # A peer that missed a round downloads the state and is back in step within a few rounds. On
     # a loaded 2-core machine a round that lost a member can hold its peers for up to an averaging
     # timeout (30 s) while the others step on every 2-3 s, so a peer can sit several epochs behind
     # until its next step downloads the state; the window allows a few such rounds in a row.
-    swarm.wait_in_step(["a", "b", "newcomer"], 240)
-    codes = swarm.interrupt_all(["a", "b", "newcomer"])  # Ctrl-C: every peer leaves cleanly
+    swarm.wait_in_step(list(peers), 240)
+    # b's terminal closes (SIGHUP to its top process only); the others get Ctrl-C. Every peer
+    # leaves cleanly, and nothing of b's is left running.
+    signalled["b"] = swarm.procs["b"].pid
+    os.kill(swarm.procs["b"].pid, signal.SIGHUP)
+    codes = swarm.interrupt_all(["a", "newcomer"])
+    codes["b"] = swarm.wait_exit("b", 150)
     assert codes == {"a": 0, "b": 0, "newcomer": 0}, {n: swarm.log(n)[-2000:] for n in codes}
-    summaries = {n: swarm.summary(n) for n in ("a", "b", "newcomer")}
+    assert "leaving the swarm" in swarm.log("b"), swarm.log("b")[-2000:]
+    wait_for_groups_to_end(signalled, 60)
+    summaries = {n: swarm.summary(n) for n in peers}
     finals = [s["final_epoch"] for s in summaries.values()]
-    assert max(finals) - min(finals) <= 1 and min(finals) >= at_restart + 2, finals
+    assert max(finals) - min(finals) <= 1 and min(finals) >= at_restart + 1, finals
     newcomer = summaries["newcomer"]
     assert newcomer["joined_epoch"] >= killed_at, "the newcomer downloaded the current state"
     assert not newcomer.get("state_download_skipped")
     assert newcomer["samples"] > 0 and "first_epoch_s" in newcomer
+    for name in ("a", "b"):
+        # Rounds averaged while the coordinator was down: with the others, several epochs on.
+        outage_rounds = [r for r in summaries[name]["rounds"] if down_unix < r["done_unix"] < down_unix + OUTAGE_S]
+        assert sum(r["group_size"] >= 2 for r in outage_rounds) >= 2, (name, outage_rounds)
+        epochs = [r["epoch"] for r in outage_rounds]
+        assert max(epochs) - min(epochs) >= 1, (name, outage_rounds)
 
 
 def test_a_round_credits_the_peers_weight_only_when_its_gradients_went_into_a_step():
