@@ -3,7 +3,9 @@ field, a non-zero exit, no traceback and no hang, before any p2p start-up; and a
 start-up still ends the process (its hivemind threads are stopped).
 
 The real coordinator app (uvicorn in a thread) serves the run.json under test; the real CLI runs
-as a subprocess with a timeout, so a hang fails the test instead of blocking it.
+as a subprocess with a timeout, so a hang fails the test instead of blocking it. Each such
+subprocess spends seconds of CPU importing torch, so the ``joins`` fixture starts all the joins
+of the selected tests at once, a few at a time, and each test checks its own.
 """
 
 import contextlib
@@ -15,8 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import uvicorn
 
 from crowdtrain.coordinator.db import Store, default_url
 from crowdtrain.coordinator.service import AuthSettings, create_app
@@ -28,7 +35,12 @@ from crowdtrain.launch import free_port
 
 # A well-formed address of a peer that is not there: nothing may dial it before the config passes.
 NOBODY = "/ip4/127.0.0.1/tcp/9/p2p/QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"
-TIMEOUT_S = 120  # a peer that hangs fails here; a refusal takes a few seconds (torch's import)
+# A peer that hangs fails here. A refusal is mostly torch's import (about 3 s of CPU), stretched
+# by the joins running beside it.
+TIMEOUT_S = 120
+# Joins running at once. Their start-up is CPU-bound, so two per core already keep a 2-core
+# machine busy (more only stretches each toward TIMEOUT_S); each holds about 400 MB.
+JOINS_AT_ONCE = 4
 
 
 def good_info(initial_peers=(NOBODY,)) -> dict:
@@ -39,33 +51,26 @@ def good_info(initial_peers=(NOBODY,)) -> dict:
             "initial_peers": list(initial_peers), "text_tokenizer": None, "coordinator_peer_id": "Qm"}
 
 
-@pytest.fixture
-def coordinator(tmp_path):
-    """Serve ``coordinator.info`` (set by the test) as the real app's /api/join."""
-    import uvicorn
-
-    run = tmp_path / "run"
+def start_coordinator(run: Path, info) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """The real app serving ``info`` as its /api/join: its URL, its server and the server's thread."""
     run.mkdir()
-
-    class Coordinator:
-        url = f"http://127.0.0.1:{free_port()}"
-
-        @staticmethod
-        def serve(info) -> None:
-            # As the auxiliary peer writes it (the app serves it as it is, but for paths and addresses).
-            (run / "run.json").write_text(json.dumps(info))
-
+    # As the auxiliary peer writes it (the app serves it as it is, but for paths and addresses).
+    (run / "run.json").write_text(json.dumps(info))
+    port = free_port()
     app = create_app(run, store=Store(default_url(run)), auth=AuthSettings(key_path=run / "coordinator_key.pem"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(Coordinator.url.rsplit(":", 1)[1]),
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    try:
-        yield Coordinator
-    finally:
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+def stop_coordinators(started: list[tuple[str, uvicorn.Server, threading.Thread]]) -> None:
+    """All told at once, since each takes a fraction of a second to notice."""
+    for _, server, _ in started:
         server.should_exit = True
+    for _, _, thread in started:
         thread.join(timeout=10)
 
 
@@ -124,26 +129,110 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.timeout(4 * TIMEOUT_S)
-@pytest.mark.parametrize("name,broken,message", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
-def test_a_bad_run_config_ends_join_with_one_line_naming_the_field(coordinator, name, broken, message):
-    coordinator.serve(broken(good_info()))
-    out = join(coordinator.url)
+# The code run instead of `python -m crowdtrain.cli` where a test injects a fault into the real process.
+CLI = "from crowdtrain.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@dataclass(frozen=True)
+class Join:
+    """One `crowdtrain join` of this module: the test that checks it, the case's name there, the
+    run.json its coordinator serves (None: ``good_info`` listing a live bootstrap peer), its extra
+    arguments, and ``code`` to run instead of the CLI module (a fault injected in the real process)."""
+    test: str
+    label: str
+    info: Callable[[], dict] | None
+    args: tuple[str, ...] = ()
+    code: str | None = None
+
+
+JOINS = [  # the longest first: it starts a DHT and a p2p daemon before it fails
+    Join("test_a_failure_after_start_up_stops_the_hivemind_threads_and_exits", "LAMB refuses the lr", None, code=(
+        "import sys; import crowdtrain.swarm.optimizer as o\n"
+        "def refuse(*args, **kwargs): raise ValueError('Invalid learning rate: -1')\n"
+        "o.make_lamb = refuse\n" + CLI)),
+    *(Join("test_a_bad_run_config_ends_join_with_one_line_naming_the_field", name,
+           lambda broken=broken: broken(good_info())) for name, broken, _ in BAD_CONFIGS),
+    *(Join("test_a_bad_model_override_is_refused_the_same_way", override, good_info, ("--model", override))
+      for override in ("width=-3", 'width="wide"')),
+    Join("test_what_this_machine_cannot_train_ends_join_before_any_p2p_start_up", "too little memory", good_info,
+         ("--batch-size", "auto"), code=(
+             "import sys; import crowdtrain.swarm.machine as m\n"
+             "m.free_memory = lambda device: (2**20, 'of available RAM')\n" + CLI)),
+    Join("test_what_this_machine_cannot_train_ends_join_before_any_p2p_start_up", "fp16 without a GPU", good_info,
+         ("--device", "auto", "--precision", "fp16"), code=(
+             "import sys; import torch; torch.cuda.is_available = lambda: False\n" + CLI)),
+]
+# Enough for every test to wait for its join behind the others, each of them hanging until killed.
+JOINS_TIMEOUT_S = TIMEOUT_S * -(-len(JOINS) // JOINS_AT_ONCE) + 60
+
+
+def checked_by(item, join_: Join) -> bool:
+    """Whether the selected test ``item`` checks ``join_``."""
+    params = getattr(item, "callspec", None)
+    return (item.path == Path(__file__) and item.originalname == join_.test
+            and (params is None or params.params.get("name") == join_.label))
+
+
+@pytest.fixture(scope="module")
+def joins(request, tmp_path_factory) -> dict[tuple[str, str], tuple[str, Future]]:
+    """Starts the joins that the selected tests check (all of JOINS in a full run), each against
+    the real app serving its run.json, and gives for ``(test, label)``: (the coordinator's URL, the
+    join's CompletedProcess to come)."""
+    selected = [j for j in JOINS if any(checked_by(item, j) for item in request.session.items)]
+    with contextlib.ExitStack() as stack:
+        peers: list[str] = []  # the bootstrap peer's addresses, where a join needs one
+        if any(j.info is None for j in selected):
+            import hivemind
+
+            bootstrap = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            stack.callback(bootstrap.shutdown)
+            peers = [str(m) for m in bootstrap.get_visible_maddrs()]
+        served = {(j.test, j.label): json.dumps(good_info(initial_peers=peers) if j.info is None else j.info())
+                  for j in selected}
+        coordinators = {}  # run.json -> the coordinator serving it (one for the joins that share one)
+        stack.callback(lambda: stop_coordinators(list(coordinators.values())))
+        for info in served.values():
+            if info not in coordinators:
+                coordinators[info] = start_coordinator(tmp_path_factory.mktemp("run") / "run", json.loads(info))
+        pool = ThreadPoolExecutor(JOINS_AT_ONCE)
+        # Runs first on the way out: what runs ends within TIMEOUT_S (what waits is dropped where
+        # a test was interrupted), then the servers and the bootstrap peer stop.
+        stack.callback(pool.shutdown, cancel_futures=True)
+        started = {}
+        for j in selected:
+            url = coordinators[served[j.test, j.label]][0]
+            started[j.test, j.label] = url, pool.submit(join, url, *j.args, code=j.code)
+        yield started
+
+
+@pytest.fixture
+def joined(request, joins) -> Callable[[str], tuple[str, subprocess.CompletedProcess]]:
+    """This test's join named ``label``, once it has ended: (the coordinator's URL, its CompletedProcess)."""
+    def result(label: str) -> tuple[str, subprocess.CompletedProcess]:
+        url, future = joins[request.node.originalname, label]
+        return url, future.result()
+
+    return result
+
+
+@pytest.mark.timeout(JOINS_TIMEOUT_S)
+@pytest.mark.parametrize("name,message", [(c[0], c[2]) for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_a_bad_run_config_ends_join_with_one_line_naming_the_field(joined, name, message):
+    url, out = joined(name)  # `crowdtrain join` against the real app serving broken(good_info()) (JOINS)
     assert out.returncode == 2, out.stderr[-3000:]
     lines = error_lines(out)
     assert len(lines) == 1 and message in lines[0], out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "DHT" not in out.stderr, out.stderr[-3000:]
     if name == "absurd model":
-        assert "GiB" in lines[0] and "smaller model" in lines[0] and f"{coordinator.url}/memcalc/" in lines[0]
+        assert "GiB" in lines[0] and "smaller model" in lines[0] and f"{url}/memcalc/" in lines[0]
 
 
-@pytest.mark.timeout(2 * TIMEOUT_S)
-def test_a_bad_model_override_is_refused_the_same_way(coordinator):
-    coordinator.serve(good_info())
-    out = join(coordinator.url, "--model", "width=-3")
+@pytest.mark.timeout(JOINS_TIMEOUT_S)
+def test_a_bad_model_override_is_refused_the_same_way(joined):
+    _, out = joined("width=-3")  # good_info(), `--model width=-3`
     assert out.returncode == 2 and len(error_lines(out)) == 1, out.stderr[-3000:]
     assert "task.model: model.width must be positive" in error_lines(out)[0]
-    out = join(coordinator.url, "--model", 'width="wide"')
+    _, out = joined('width="wide"')
     assert out.returncode == 2 and "task.model.width must be an integer" in error_lines(out)[0], out.stderr[-3000:]
 
 
@@ -181,43 +270,29 @@ def test_on_a_gpu_the_model_must_fit_the_gpus_memory_not_the_machines(monkeypatc
                            model_overrides={"text_vocab_size": 2**23}).params > 5e8  # the 24 GiB machine
 
 
-@pytest.mark.timeout(2 * TIMEOUT_S)
-def test_a_failure_after_start_up_stops_the_hivemind_threads_and_exits(coordinator):
+@pytest.mark.timeout(JOINS_TIMEOUT_S)
+def test_a_failure_after_start_up_stops_the_hivemind_threads_and_exits(joined):
     """The optimizer refusing a setting after the DHT and the progress tracker have started (as
     torch refused lr=-1 before the config was checked): the peer must still exit, not hang on
-    the tracker's thread. The refusal is injected where torch raised it."""
-    import hivemind
-
-    bootstrap = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        coordinator.serve(good_info(initial_peers=[str(m) for m in bootstrap.get_visible_maddrs()]))
-        code = ("import sys; import crowdtrain.swarm.optimizer as o\n"
-                "def refuse(*args, **kwargs): raise ValueError('Invalid learning rate: -1')\n"
-                "o.make_lamb = refuse\n"
-                "from crowdtrain.cli import main; sys.exit(main(sys.argv[1:]))")
-        out = join(coordinator.url, code=code)
-    finally:
-        bootstrap.shutdown()
+    the tracker's thread. The refusal is injected where torch raised it (JOINS); the run lists a
+    live bootstrap peer, so the DHT starts."""
+    _, out = joined("LAMB refuses the lr")
     assert out.returncode == 2, out.stderr[-3000:]
     assert error_lines(out) == ["crowdtrain join: error: Invalid learning rate: -1"], out.stderr[-3000:]
 
 
-@pytest.mark.timeout(3 * TIMEOUT_S)
-def test_what_this_machine_cannot_train_ends_join_before_any_p2p_start_up(coordinator):
+@pytest.mark.timeout(JOINS_TIMEOUT_S)
+def test_what_this_machine_cannot_train_ends_join_before_any_p2p_start_up(joined):
     """`--batch-size auto` on too little memory, and fp16 where `--device auto` finds no GPU: one
-    line naming the fix, before the DHT starts (crowdtrain.swarm.machine)."""
-    coordinator.serve(good_info())
-    run = "from crowdtrain.cli import main; sys.exit(main(sys.argv[1:]))"
-    out = join(coordinator.url, "--batch-size", "auto", code=(
-        "import sys; import crowdtrain.swarm.machine as m\n"
-        "m.free_memory = lambda device: (2**20, 'of available RAM')\n" + run))
+    line naming the fix, before the DHT starts (crowdtrain.swarm.machine). Both faults are
+    injected in the real process (JOINS)."""
+    url, out = joined("too little memory")
     assert out.returncode == 2, out.stderr[-3000:]
     lines = error_lines(out)
     assert len(lines) == 1 and "to train at batch size 1" in lines[0] and "smaller model" in lines[0] \
-        and f"{coordinator.url}/memcalc/" in lines[0], out.stderr[-3000:]
+        and f"{url}/memcalc/" in lines[0], out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "DHT" not in out.stderr, out.stderr[-3000:]
-    out = join(coordinator.url, "--device", "auto", "--precision", "fp16", code=(
-        "import sys; import torch; torch.cuda.is_available = lambda: False\n" + run))
+    _, out = joined("fp16 without a GPU")
     assert out.returncode == 2, out.stderr[-3000:]
     assert error_lines(out) == ["crowdtrain join: error: fp16 autocast needs a GPU; use --precision bf16 or fp32 "
                                 "on CPU"], out.stderr[-3000:]

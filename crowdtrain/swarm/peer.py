@@ -169,21 +169,13 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
 
     check_not_finished(info, base)  # a finished run: nothing to train, say so at once
 
-    import hivemind
-
-    from crowdtrain.swarm import metrics as swarm_metrics
-    from crowdtrain.swarm.attacks import attack_from_fault, upload_delay_from_fault
-    from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
-    from crowdtrain.swarm.rounds import swarm_at_start, swarm_epoch_now
-    from crowdtrain.noise import drop_exit_noise
-    from crowdtrain.swarm.reconnect import BootstrapWatch
     from crowdtrain.train.local import autocast_context
-    from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
     from crowdtrain.swarm import machine
 
     device_name, device_line = machine.resolve_device(config.device)
     logger.info("%s", device_line)
-    # All of it, before anything with threads starts (see crowdtrain.swarm.join_info).
+    # All of it, before anything with threads starts (see crowdtrain.swarm.join_info), and before
+    # hivemind's and bitsandbytes' imports (below): a bad config is said in half the time.
     checked = check_join_info(info, model_overrides=config.model_overrides, source=base, device=device_name)
     swarm, model_config = checked.swarm, checked.model
     check_fingerprint(info, model_config)
@@ -192,6 +184,16 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) 
                                                   precision=config.precision, memcalc_url=f"{base}/memcalc/")
     if config.batch_size == machine.AUTO:
         logger.info("%s", batch_line)
+    import hivemind
+
+    from crowdtrain.swarm import metrics as swarm_metrics
+    from crowdtrain.swarm.attacks import attack_from_fault, upload_delay_from_fault
+    from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
+    from crowdtrain.swarm.rounds import swarm_at_start, swarm_epoch_now
+    from crowdtrain.noise import drop_exit_noise
+    from crowdtrain.swarm.reconnect import BootstrapWatch
+    from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
+
     config = copy.copy(config)  # as resolved, in the summary; the caller's stays as given
     config.device, config.batch_size = device_name, batch_size
     from crowdtrain.optim import Schedule
