@@ -228,9 +228,13 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     assert "Downloading parameters from peer" not in at_join, "only the state: no gradient buffers"
 
     # The coordinator goes down (SIGTERM to its top process: its auxiliary peer ends with it) and
-    # stays down for OUTAGE_S. The logs' lengths are taken before: a peer may fail its first fetch
-    # while the coordinator is still shutting down.
+    # stays down for OUTAGE_S, once all three peers train (the newcomer's stream open: a stream
+    # opened during an outage waits for its manifest, tests/test_data_streaming.py). The logs'
+    # lengths are taken before: a peer may fail its first fetch while the coordinator is still
+    # shutting down.
     peers = ("a", "b", "newcomer")
+    swarm.wait_in_step(list(peers), 180)
+    swarm.wait_epoch(swarm.status()["epoch"] + 1, 90)
     at_kill = {n: len(swarm.log(n)) for n in peers}
     signalled["coordinator"] = swarm.procs["coordinator"].pid
     members = process_group(signalled["coordinator"])
