@@ -44,12 +44,12 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
-# Serial by default: one test at a time (about 26 minutes on a 2-core machine). TEST_WORKERS=2
+# Serial by default: one test at a time (about 22 minutes on a 2-core machine). TEST_WORKERS=2
 # runs two pytest-xdist workers, longest tests first, a module sharing a module-scoped fixture on
-# one worker (tests/conftest.py): about 17 minutes on 2 cores, but two real-process swarm tests at
-# once push the most timing-bound ones past their margins there (seen: a fresh run's third peer
-# starting after the first round, the equivalence test's first round without both peers). Use
-# workers on a machine with 4 or more cores.
+# one worker (tests/conftest.py): about 16 minutes on 2 cores, but two real-process swarm tests at
+# once push the most timing-bound ones past their margins there (seen: a fresh run's round without
+# every peer). The suite needs about 22 minutes of CPU, so 2 cores cannot take it much below 11
+# minutes in any order; use workers on a machine with 4 or more cores.
 TEST_WORKERS ?= 0
 test: sysdeps install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
