@@ -82,7 +82,7 @@ def test_the_step_clock_takes_the_median_so_a_step_carrying_a_round_does_not_str
 
 
 def test_a_swarm_whose_steps_outlast_matchmaking_meets_in_one_group_and_stays_one_model(swarm_factory, tmp_path):
-    """Five real volunteers, 4 s steps, 1.5 s of matchmaking: each notices the epoch's end up to a
+    """Five real volunteers, 5 s steps, 1.5 s of matchmaking: each notices the epoch's end up to a
     step late. Without booking ahead they met in groups of 1-3 every round and ended as five
     models 3e-2 apart (``benchmarks/bench_scale.py --peers 6 --step-s 6 --matchmaking-s 2``)."""
     import torch
@@ -95,7 +95,7 @@ def test_a_swarm_whose_steps_outlast_matchmaking_meets_in_one_group_and_stays_on
                                  "checkpoint_every_epochs": 100})
     swarm.start_coordinator(timeout=300)
     for name in names:
-        swarm.join(name, batch_size=8, max_epochs=epochs, extra=["--simulated-step-s", "4"])
+        swarm.join(name, batch_size=8, max_epochs=epochs, extra=["--simulated-step-s", "5"])
     codes = {name: swarm.procs[name].wait(timeout=420) for name in names}
     assert codes == dict.fromkeys(names, 0), {n: swarm.log(n)[-3000:] for n, c in codes.items() if c}
     rounds = {name: {r["epoch"]: r for r in swarm.summary(name)["rounds"]} for name in names}
