@@ -147,7 +147,7 @@ def test_joining_a_port_where_no_coordinator_listens_says_so_on_the_first_line()
 @pytest.mark.timeout(240)
 def test_a_coordinator_ends_its_auxiliary_peer_on_sigint_sighup_and_its_own_sigkill(swarm_factory, tmp_path):
     """The other ways a coordinator is stopped (Ctrl-C, a closed terminal, the OOM killer), three
-    runs at once; SIGTERM is in the test above."""
+    runs at once; SIGTERM is in the churn run (tests/test_swarm.py)."""
     swarms = {sig: swarm_factory() for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGKILL)}
     for sig, swarm in swarms.items():
         swarm.tmp = tmp_path / sig.name
