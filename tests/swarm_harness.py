@@ -128,3 +128,13 @@ def process_group(pgid: int) -> dict[int, str]:
         except (OSError, ValueError):
             continue
     return members
+
+
+def wait_for_groups_to_end(pgids: dict[str, int], timeout: float) -> None:
+    """Until no process is left in the named process groups (each a signalled top process's)."""
+    deadline = time.monotonic() + timeout
+    left = {name: process_group(pgid) for name, pgid in pgids.items()}
+    while any(left.values()) and time.monotonic() < deadline:
+        time.sleep(1)
+        left = {name: process_group(pgid) for name, pgid in pgids.items()}
+    assert not any(left.values()), f"processes left after their top process was signalled: {left}"

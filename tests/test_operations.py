@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from crowdtrain.launch import free_port, get_json
-from tests.swarm_harness import process_group
+from tests.swarm_harness import process_group, wait_for_groups_to_end
 
 pytestmark = pytest.mark.timeout(240)
 # Python start-up and the coordinator's imports on a busy 2-core machine; the clash used to show
@@ -158,9 +158,4 @@ def test_a_coordinator_ends_its_auxiliary_peer_on_sigint_sighup_and_its_own_sigk
     for sig, pid in top.items():
         assert any("crowdtrain.auxpeer" in c for c in process_group(pid).values()), process_group(pid)
         os.kill(pid, sig)
-    deadline = time.monotonic() + 90
-    left = {sig.name: process_group(pid) for sig, pid in top.items()}
-    while time.monotonic() < deadline and any(left.values()):
-        time.sleep(1)
-        left = {sig.name: process_group(pid) for sig, pid in top.items()}
-    assert not any(left.values()), left
+    wait_for_groups_to_end({sig.name: pid for sig, pid in top.items()}, 90)

@@ -16,7 +16,7 @@ from crowdtrain.launch import get_json
 from crowdtrain.swarm.hivemind_seam import state as hivemind_seam_state
 from crowdtrain.swarm.metrics import Ledger
 from crowdtrain.train.validate import pattern_loss
-from tests.swarm_harness import check_ledger, newcomer_storm, noise_in, process_group
+from tests.swarm_harness import check_ledger, newcomer_storm, noise_in, process_group, wait_for_groups_to_end
 
 # A volunteer's line at each new epoch: the epoch and its last round's group size.
 STEP_LINE = re.compile(r"epoch (\d+) \| loss [\d.]+ \| .* peers in last round (\d+)/\d+")
@@ -167,16 +167,6 @@ def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once
 # fetches (the test checks the peers' logs to be sure it did). `tiny` with the shapes tokenizer's codes.
 OUTAGE_S = 25.0
 SHAPES_MODEL = ["--model", "image_vocab_size=1280", "--model", "image_code_factors=[256,5]"]
-
-
-def wait_for_groups_to_end(pgids: dict[str, int], timeout: float) -> None:
-    """Until no process is left in the named process groups (each a signalled top process's)."""
-    deadline = time.monotonic() + timeout
-    left = {name: process_group(pgid) for name, pgid in pgids.items()}
-    while any(left.values()) and time.monotonic() < deadline:
-        time.sleep(1)
-        left = {name: process_group(pgid) for name, pgid in pgids.items()}
-    assert not any(left.values()), f"processes left after their top process was signalled: {left}"
 
 
 # One rerun: a slow, shared 2-core machine crosses this test's timing margins now and then;
