@@ -44,13 +44,13 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
-# Serial by default: one test at a time (about 22 minutes on a 2-core machine). TEST_WORKERS=2
-# runs two pytest-xdist workers, longest tests first, a module sharing a module-scoped fixture on
-# one worker (tests/conftest.py): about 16 minutes on 2 cores, but two real-process swarm tests at
-# once push the most timing-bound ones past their margins there (seen: a fresh run's round without
-# every peer). The suite needs about 22 minutes of CPU, so 2 cores cannot take it much below 11
-# minutes in any order; use workers on a machine with 4 or more cores.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers by default, longest tests first, a module sharing a module-scoped
+# fixture on one worker (tests/conftest.py). The suite is CPU-bound (about 22 minutes of CPU,
+# mostly real-process swarm tests), so two workers keep both cores of a 2-core machine busy while
+# one test's peers wait on rounds; the timing-bound swarm tests allow for a neighbour's load.
+# TEST_WORKERS=0 runs one test at a time (about 20 minutes on 2 cores); more workers help only
+# with more cores.
+TEST_WORKERS ?= 2
 test: sysdeps install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
 

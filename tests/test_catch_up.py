@@ -428,3 +428,41 @@ def test_a_lost_round_stays_lost_until_a_download_brings_a_state():
     catch_up.start_download()
     catch_up.download_failed(None)
     assert not catch_up.off_step, "a plain catch-up that failed loses nothing"
+
+
+@pytest.mark.parametrize("absent", [False, True])
+def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absent):
+    # A groupmate that failed mid-round may have returned the whole average to the others: wait
+    # for their report, offering our state low. One absent from the whole all-reduce left its
+    # slice out of every member's average (``rounds_missing_a_slice``): nothing to wait for (seen:
+    # seven peers leaving a run each waiting a minute for a report nobody could make).
+    from crowdtrain.swarm.rounds import RoundLog
+
+    stats = {"weight_averaged": 0, "elements_missing": 0, "rounds_missing_a_slice": 0}
+
+    def upstream():  # the round: part of the average never came back
+        stats["elements_missing"] += 100
+        stats["rounds_missing_a_slice"] += int(absent)
+
+    averager = SimpleNamespace(state_sharing_priority=5)
+    opt = SwarmOptimizer.__new__(SwarmOptimizer)
+    opt.hivemind = SimpleNamespace(
+        delay_grad_averaging=True, local_epoch=5, state_averager=SimpleNamespace(local_epoch=5),
+        tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=4)),
+        grad_averager=SimpleNamespace(wire_stats=SimpleNamespace(snapshot=lambda: dict(stats))),
+        next_chunk_timeout=7.5, matchmaking_time=3.0)
+    opt.catch_up, opt.signer, opt.rounds, opt.ledger = CatchUp(), None, RoundLog(), swarm_metrics.Ledger()
+    opt.offer = StateOffer(averager, client_mode=False)
+    opt._wait_for_allreduce_start = lambda control, epoch: (time.time(), False)
+    opt._others_finished = lambda epoch: False
+    control = SimpleNamespace(done=lambda: True, cancelled=lambda: False, result=lambda timeout: [1, 2, 3, 4],
+                              weight=16.0)
+    opt.around_gradient_round(control, upstream)
+    assert opt.rounds.last().partial
+    if absent:
+        assert opt.catch_up.partial_epoch is None and averager.state_sharing_priority == 5
+        started = time.monotonic()
+        opt._resolve_partial_round(wait=True)  # what a leaving peer does
+        assert time.monotonic() - started < 0.5
+    else:
+        assert opt.catch_up.partial_epoch == 4 and averager.state_sharing_priority < 5

@@ -349,6 +349,7 @@ def test_butterfly_all_reduce_with_an_attacker_gives_every_peer_the_same_robust_
         assert heaviest.value == ATTACKS[attack].weight_factor  # what the attacker claimed reached the reducers
         stats = averagers[0].wire_stats.snapshot()
         assert stats["bytes_sent"] > 3 / 4 * 300 * 300 and stats["rounds"] == 1  # 8-bit: ~1 byte per element
+        assert stats["rounds_missing_a_slice"] == 0 and stats["elements_missing"] == 0
         reduced = sum(a.wire_stats.snapshot()["parts_reduced"] for a in averagers)
         assert reduced > 0 and encodings.value == reduced, (encodings.value, reduced)
         # Every honest peer that reduced a slice found the attacker's part of it outlying: the
@@ -515,3 +516,49 @@ def test_a_part_for_a_group_we_have_not_started_yet_waits_for_it_instead_of_bein
     started = time.monotonic()
     assert asyncio.run(ask(averager, b"other", register_after=None)) == [averaging_pb2.BAD_GROUP_ID]
     assert time.monotonic() - started >= 1.0, "a group never registered is refused after the wait"
+
+
+def test_a_groupmate_absent_from_the_all_reduce_is_told_apart_nobody_gets_the_whole_average():
+    # A member that matchmaking put in the group but that never takes part (seen: a newcomer whose
+    # matchmaking never learned it was in the group): its slice is missing for every member, so
+    # the others must not wait for a groupmate's report of the whole average
+    # (crowdtrain.swarm.optimizer, ``rounds_missing_a_slice``).
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    from crowdtrain.swarm.hivemind_seam.averaging import robust_averager_class
+    from crowdtrain.swarm.robust import MeanAggregator
+
+    Averager = robust_averager_class(DecentralizedAverager)
+
+    async def absent(self, tensors, group_info, group_id=None, **kwargs):
+        await asyncio.sleep(8.0)  # in the group, but sends and reduces nothing
+        raise RuntimeError("absent")
+
+    # The class keeps the name hivemind registers its RPC handlers under.
+    Absent = type(Averager.__name__, (Averager,), {"_run_allreduce_inplace_": absent})
+
+    torch.manual_seed(0)
+    locals_ = [[torch.randn(100, 100) for _ in range(8)] for _ in range(4)]  # a slice for every member
+    dhts = [hivemind.DHT(start=True)]
+    dhts += [hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True) for _ in range(3)]
+    averagers = [
+        (Absent if i == 3 else Averager)(
+            [t.clone() for t in tensors], dht, prefix="absent_test", target_group_size=4, min_group_size=4,
+            min_matchmaking_time=3.0, request_timeout=1.0, next_chunk_timeout=1.5,
+            aggregator=MeanAggregator(), results_as_values=True, start=True)
+        for i, (tensors, dht) in enumerate(zip(locals_, dhts))]
+    try:
+        controls = [a.step(wait=False, timeout=30) for a in averagers]
+        assert all(len(c.result(30)) == 4 for c in controls[:3]), "the round went on with the three present members"
+        for a in averagers[:3]:
+            deadline = time.monotonic() + 10  # the round's counters are added just after its result
+            while a.wire_stats.snapshot()["rounds"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stats = a.wire_stats.snapshot()
+            assert stats["elements_missing"] > 0 and stats["rounds_missing_a_slice"] == 1, stats
+    finally:
+        for a in averagers:
+            a.shutdown()
+        for d in dhts:
+            d.shutdown()

@@ -37,7 +37,16 @@ NOT_FOR_VOLUNTEERS = {"fastapi", "uvicorn", "sqlalchemy", "psycopg", "playwright
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
+def python_with_torch(tmp_path_factory):
+    """A virtual environment with pip and torch: built before the run starts, so that the run's
+    peers do not spend their CPU waiting out pip (the suite is CPU-bound)."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    timings = bench.fresh_python(venv, torch=bench.torch_requirement())
+    return {"venv": venv, "timings": timings, "before": bench.installed(venv)}
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory, python_with_torch):
     tmp = tmp_path_factory.mktemp("zero")
     # A run that goes on while the module runs; a checkpoint every 2 epochs for the drawing notebook.
     swarm = LocalSwarm(tmp, data="shapes", swarm={"total_epochs": 100_000, "checkpoint_every_epochs": 2})
@@ -48,14 +57,13 @@ def swarm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory, swarm):
+def fresh(python_with_torch, swarm):
     """A virtual environment with pip and torch, then the coordinator's install line."""
-    venv = tmp_path_factory.mktemp("fresh") / "venv"
-    timings = bench.fresh_python(venv, torch=bench.torch_requirement())
-    before = bench.installed(venv)
+    venv, timings = python_with_torch["venv"], dict(python_with_torch["timings"])
     line = get_json(f"{swarm.url}/api/version")["install"]
     timings["install_s"] = bench.run_install_line(venv, line)
-    return {"venv": venv, "before": before, "after": bench.installed(venv), "timings": timings, "line": line}
+    return {"venv": venv, "before": python_with_torch["before"], "after": bench.installed(venv), "timings": timings,
+            "line": line}
 
 
 def test_the_install_line_brings_the_coordinators_crowdtrain_keeps_torch_and_nothing_more(swarm, fresh):

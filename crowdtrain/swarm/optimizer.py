@@ -264,6 +264,7 @@ class SwarmOptimizer(RoundHooks):
         triggered_unix = time.time()
         # Read before the wait below: the round may end during it.
         averaged_before, missing_before = self._weight_averaged(), self._elements_missing()
+        slices_missing_before = self._wire_stat("rounds_missing_a_slice")
         allreduce_unix, left_out = self._wait_for_allreduce_start(maybe_step_control, epoch)
         if left_out:
             logger.warning("the swarm finished epoch %d's round without this peer; it will download their state",
@@ -275,6 +276,11 @@ class SwarmOptimizer(RoundHooks):
         # gradients there, so our step differs from the group's (by up to one update in those
         # weights) until the next state round, or for good if we leave first.
         partial = self._elements_missing() > missing_before
+        # A groupmate was absent from the whole all-reduce: its slice is missing for every member,
+        # so nobody got the whole average and nobody will report one. Waiting for such a report
+        # (below) only kept this peer offering its state low, and a leaving peer here for up to a
+        # minute (seen: seven peers leaving a storm run).
+        nobody_whole = partial and self._wire_stat("rounds_missing_a_slice") > slices_missing_before
         group_size = 1
         if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.cancelled():
             try:
@@ -290,6 +296,9 @@ class SwarmOptimizer(RoundHooks):
             logger.warning("epoch %d's round went on without this peer; it will download their state", epoch)
             self._demote_state()
             self.catch_up.lose(epoch)
+        elif nobody_whole:
+            logger.info("epoch %d's round missed a groupmate's slice for every member; "
+                        "no member holds a better state", epoch)
         elif partial and swarm_peers >= 2:
             # Groupmates that got the whole average finish later (their reducers wait out the
             # failed peer) and then publish their round record: look for one at the next steps
@@ -310,13 +319,15 @@ class SwarmOptimizer(RoundHooks):
         not (see :meth:`crowdtrain.swarm.rounds.StateOffer.demote`)."""
         self.offer.demote(self.local_epoch)
 
-    def _weight_averaged(self) -> float:
+    def _wire_stat(self, name: str) -> float:
         stats = getattr(self.grad_averager, "wire_stats", None)
-        return stats.snapshot()["weight_averaged"] if stats is not None else 0.0
+        return stats.snapshot()[name] if stats is not None else 0
+
+    def _weight_averaged(self) -> float:
+        return float(self._wire_stat("weight_averaged"))
 
     def _elements_missing(self) -> int:
-        stats = getattr(self.grad_averager, "wire_stats", None)
-        return stats.snapshot()["elements_missing"] if stats is not None else 0
+        return self._wire_stat("elements_missing")
 
     def _others_finished(self, epoch: int) -> bool:
         """Whether a peer reports having finished epoch ``epoch``'s round (or a later one: its record

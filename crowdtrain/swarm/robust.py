@@ -209,9 +209,11 @@ class WireStats:
     # parts_of_suspects_left_out: finite parts of suspects not aggregated.
     # weight_averaged: per round this peer finished, the senders' weights (samples) in the first
     # part it reduced, summed over rounds: what the rounds averaged, seen from the aggregation side.
+    # rounds_missing_a_slice: rounds in which a groupmate was absent from the all-reduce (it sent our
+    # reducer nothing and never returned its own slice), so no member got the whole average.
     FIELDS = ("bytes_sent", "aggregate_s", "parts_dropped", "parts_reduced", "rounds", "elements_missing",
               "group_lookups", "parts_outlying", "suspects_found", "parts_of_suspects_left_out",
-              "weight_averaged")
+              "weight_averaged", "rounds_missing_a_slice")
 
     def __init__(self):
         self._values = mp.Array(ctypes.c_double, len(self.FIELDS))

@@ -125,6 +125,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         # results_as_values: per (part index, compression), the reply every sender gets, encoded
         # once, and how many senders have yet to take it
         self._result_messages: dict[tuple[int, int], tuple[asyncio.Future, int]] = {}
+        self.failed_reducers: set = set()  # groupmates whose slice of the average never reached us
         if results_as_values:
             self.tensor_part_container.return_deltas = False  # a failed reducer: keep our own part
             if fallback_tensors is not None:
@@ -154,9 +155,26 @@ class RobustAllReduceRunner(AllReduceRunner):
                 zip(self.sender_peer_ids, reducer.suspects(), reducer.parts_judged)
                 if judged and peer != self.peer_id}
 
+    def absent_peers(self) -> list:
+        """Groupmates absent from this round: they sent our reducer none of their parts and never
+        returned their own slice. Their slice is then missing from every member's average, so no
+        member holds the whole average and none will report one (a groupmate cut off from us
+        alone looks the same; then the others' better state is not waited for, see
+        ``crowdtrain.swarm.optimizer``). Empty when this peer reduces no slice (client mode): it
+        cannot tell."""
+        reducer = self.tensor_part_reducer
+        if self.peer_id not in self.sender_peer_ids or reducer.num_parts == 0:
+            return []
+        return [peer for peer in self.failed_reducers if peer in self.sender_peer_ids
+                and reducer.num_parts_received[self.sender_peer_ids.index(peer)] == 0]
+
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id or not self.results_as_values:
-            return await super()._communicate_with_peer(peer_id)
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except BaseException:
+                self.failed_reducers.add(peer_id)
+                raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         container = self.tensor_part_container
@@ -349,7 +367,8 @@ class RobustAveragerMixin:
         # Counted here, once the round succeeded, rather than by the reducer: a reducer that finished
         # after its round failed for us would add its weight to our next round's.
         self.wire_stats.add(rounds=1, elements_missing=runner.tensor_part_container.failed_size,
-                            weight_averaged=runner.tensor_part_reducer.weight_seen)
+                            weight_averaged=runner.tensor_part_reducer.weight_seen,
+                            rounds_missing_a_slice=1 if runner.absent_peers() else 0)
 
 
 @functools.lru_cache(maxsize=None)
