@@ -18,6 +18,10 @@ ROUNDS = 3
 STALLED_S = 150.0  # for both runs' peers to reach ROUNDS epochs
 
 
+# One rerun: its subject is timing (the first rounds), and a test on the other worker can starve
+# a peer of CPU past a round (seen once under ``make test``'s two workers); a broken feature
+# fails both runs.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fresh_two_and_three_peer_runs_form_their_first_rounds_in_full(tmp_path):

@@ -81,6 +81,9 @@ def test_the_step_clock_takes_the_median_so_a_step_carrying_a_round_does_not_str
     assert clock.step_s == 10.0
 
 
+# One rerun: its subject is timing, and a test on the other worker can starve a peer of CPU past
+# the booked moment more than once; a broken feature (no booking: every epoch splits) fails both.
+@pytest.mark.flaky(reruns=1)
 def test_a_swarm_whose_steps_outlast_matchmaking_meets_in_one_group_and_stays_one_model(swarm_factory, tmp_path):
     """Five real volunteers, 5 s steps, 1.5 s of matchmaking: each notices the epoch's end up to a
     step late. Without booking ahead they met in groups of 1-3 every round and ended as five
