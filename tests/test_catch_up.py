@@ -431,12 +431,17 @@ def test_a_lost_round_stays_lost_until_a_download_brings_a_state():
 
 
 @pytest.mark.parametrize("absent", [False, True])
-def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absent):
+def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absent, monkeypatch):
     # A groupmate that failed mid-round may have returned the whole average to the others: wait
     # for their report, offering our state low. One absent from the whole all-reduce left its
     # slice out of every member's average (``rounds_missing_a_slice``): nothing to wait for (seen:
-    # seven peers leaving a run each waiting a minute for a report nobody could make).
+    # seven peers leaving a run each waiting a minute for a report nobody could make), and the
+    # round record tells the absent one, still looking for the group, that the round is over.
     from crowdtrain.swarm.rounds import RoundLog
+
+    published = []
+    monkeypatch.setattr(swarm_metrics, "publish_round",
+                        lambda dht, run_id, signer, *, epoch, group_size: published.append((epoch, group_size)))
 
     stats = {"weight_averaged": 0, "elements_missing": 0, "rounds_missing_a_slice": 0}
 
@@ -451,7 +456,8 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
         tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=4)),
         grad_averager=SimpleNamespace(wire_stats=SimpleNamespace(snapshot=lambda: dict(stats))),
         next_chunk_timeout=7.5, matchmaking_time=3.0)
-    opt.catch_up, opt.signer, opt.rounds, opt.ledger = CatchUp(), None, RoundLog(), swarm_metrics.Ledger()
+    opt.catch_up, opt.signer, opt.rounds, opt.ledger = CatchUp(), object(), RoundLog(), swarm_metrics.Ledger()
+    opt.hivemind.dht, opt.hivemind.run_id = None, "run"
     opt.offer = StateOffer(averager, client_mode=False)
     opt._wait_for_allreduce_start = lambda control, epoch: (time.time(), False)
     opt._others_finished = lambda epoch: False
@@ -461,8 +467,10 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
     assert opt.rounds.last().partial
     if absent:
         assert opt.catch_up.partial_epoch is None and averager.state_sharing_priority == 5
+        assert published == [(4, 4)]
         started = time.monotonic()
         opt._resolve_partial_round(wait=True)  # what a leaving peer does
         assert time.monotonic() - started < 0.5
     else:
         assert opt.catch_up.partial_epoch == 4 and averager.state_sharing_priority < 5
+        assert published == [], "a partial average is not reported as a finished round"

@@ -287,18 +287,23 @@ class SwarmOptimizer(RoundHooks):
                 group_size = len(maybe_step_control.result(0))
             except BaseException:  # the round failed: this peer used its local gradients
                 group_size = 1
-        if group_size >= 2 and not partial and self.signer is not None:
-            self._published = swarm_metrics.publish_round(self.dht, self.run_id, self.signer, epoch=epoch,
-                                                          group_size=group_size)
+        if group_size >= 2 and (not partial or nobody_whole):
+            if nobody_whole:
+                logger.info("epoch %d's round missed a groupmate's slice for every member; "
+                            "no member holds a better state", epoch)
+            if self.signer is not None:
+                # With nobody_whole too: the record misleads no groupmate (none holds, or waits
+                # for, a whole average), and it tells the absent one, still looking for this
+                # round's group, that the round is over, so it downloads the state now rather
+                # than after the averaging timeout.
+                self._published = swarm_metrics.publish_round(self.dht, self.run_id, self.signer, epoch=epoch,
+                                                              group_size=group_size)
         elif swarm_peers >= 2 and (left_out or self._others_finished(epoch)):
             # Others averaged without us: our step used our gradients alone, and state averaging
             # would not bring us back for several epochs. Download their state at the next step.
             logger.warning("epoch %d's round went on without this peer; it will download their state", epoch)
             self._demote_state()
             self.catch_up.lose(epoch)
-        elif nobody_whole:
-            logger.info("epoch %d's round missed a groupmate's slice for every member; "
-                        "no member holds a better state", epoch)
         elif partial and swarm_peers >= 2:
             # Groupmates that got the whole average finish later (their reducers wait out the
             # failed peer) and then publish their round record: look for one at the next steps
