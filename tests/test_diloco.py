@@ -148,8 +148,9 @@ def check_attacked_run(swarm, epochs) -> None:
 
 
 # One rerun: two swarms side by side on a 2-core machine, where hivemind's matchmaking now and
-# then counts a member that never takes part (seen in 2 of 5 full-suite runs: an honest peer
-# alone for two rounds, so fewer suspect verdicts and samples); a broken feature fails both runs.
+# then counts a member that never takes part (it failed 2 of 5 full-suite runs; in the one
+# examined, an honest peer was alone for two rounds, so fewer suspect verdicts); a broken feature
+# fails both runs.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(420)
 def test_overlapped_outer_rounds_agree_and_centered_clip_holds_off_a_scaling_attacker(swarm_factory, tmp_path):
