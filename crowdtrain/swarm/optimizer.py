@@ -278,8 +278,8 @@ class SwarmOptimizer(RoundHooks):
         partial = self._elements_missing() > missing_before
         # A groupmate was absent from the whole all-reduce: its slice is missing for every member,
         # so nobody got the whole average and nobody will report one. Waiting for such a report
-        # (below) only kept this peer offering its state low, and a leaving peer here for up to a
-        # minute (seen: seven peers leaving a storm run).
+        # (below) would only keep this peer offering its state low, and a leaving peer here until
+        # its one-minute bound (matchmaking can count a member that never learns of the group).
         nobody_whole = partial and self._wire_stat("rounds_missing_a_slice") > slices_missing_before
         group_size = 1
         if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.cancelled():
