@@ -55,7 +55,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "dashboard.png"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        swarm = LocalSwarm(Path(tmp), preset=args.preset, data=args.data,
+        swarm = LocalSwarm(Path(tmp), preset=args.preset, data=args.data, samples_every=1,
                       swarm={"target_batch_size": 192, "total_epochs": 400, "warmup_epochs": 5,
                              "checkpoint_every_epochs": 10})
         try:

@@ -164,10 +164,17 @@ def wait_for_coordinator(url: str, proc: subprocess.Popen, timeout_s: float, log
 
 class LocalSwarm:
     """A coordinator plus volunteers on 127.0.0.1, each a process group; logs, summaries and saved
-    weights in ``tmp``. The default swarm settings make ``tiny`` learn visibly in a few short epochs."""
+    weights in ``tmp``. The default swarm settings make ``tiny`` learn visibly in a few short epochs.
 
-    def __init__(self, tmp: Path, *, preset: str = "tiny", data: str = "pattern", swarm: dict | None = None):
+    ``samples_every``: the gallery's images from every N-th checkpoint (the coordinator's
+    ``--samples-every``). 0 by default: drawing them at every checkpoint of a run with epochs
+    of seconds takes a sixth of a core from the peers that share the machine; a run someone will
+    look at, or a test of the gallery, asks for 1."""
+
+    def __init__(self, tmp: Path, *, preset: str = "tiny", data: str = "pattern", swarm: dict | None = None,
+                 samples_every: int = 0):
         self.tmp = tmp
+        self.samples_every = samples_every
         self.port, self.dht_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = tmp / "run"
@@ -187,7 +194,8 @@ class LocalSwarm:
     def start_coordinator(self, timeout: float = 120.0, extra: list[str] = ()) -> dict:
         self._spawn("coordinator", coordinator_args(
             run_id="test", preset=self.preset, data=self.data, host="127.0.0.1", port=self.port,
-            dht_port=self.dht_port, run_dir=self.run_dir, swarm=self.swarm, extra=extra))
+            dht_port=self.dht_port, run_dir=self.run_dir, swarm=self.swarm,
+            extra=["--samples-every", str(self.samples_every), *extra]))
         return wait_for_coordinator(self.url, self.procs["coordinator"], timeout, self.tmp / "coordinator.log")
 
     def join(self, name: str, *, batch_size: int, max_epochs: int, extra: list[str] = ()) -> subprocess.Popen:

@@ -43,27 +43,89 @@ def modules_sharing_fixtures() -> set[str]:
     return shared
 
 
-def work_unit(nodeid: str, shared: set[str]) -> str:
+def _marks_swarm(expr: ast.expr) -> bool:
+    """``pytest.mark.swarm`` (called or not), alone or in a list of marks."""
+    if isinstance(expr, (ast.List, ast.Tuple)):
+        return any(_marks_swarm(e) for e in expr.elts)
+    if isinstance(expr, ast.Call):
+        expr = expr.func
+    return isinstance(expr, ast.Attribute) and expr.attr == "swarm" and ast.unparse(expr.value) == "pytest.mark"
+
+
+def tests_marked_swarm(folder: Path = Path(__file__).parent) -> set[str]:
+    """Node ids (without parameters) of the tests marked ``swarm``, and modules marked whole. Read
+    from the source: with workers, the controller that hands out tests never imports them."""
+    marked = set()
+    for path in sorted(folder.glob("test_*.py")):
+        module = f"{path.parent.name}/{path.name}"
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+                if _marks_swarm(node.value):
+                    marked.add(module)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(map(_marks_swarm,
+                                                                                      node.decorator_list)):
+                marked.add(f"{module}::{node.name}")
+    return marked
+
+
+# With workers, every test marked ``swarm`` is one unit of work: they run one after another on
+# one worker while the other workers take everything else. Two such swarms at once starve each
+# other's peers of CPU on a 2-core machine, and their timing-bound checks (booked rounds, a storm
+# newcomer's first rounds, DiLoCo's samples per round) then fail without any feature broken.
+SWARM_LANE = "swarm lane"
+
+
+def work_unit(nodeid: str, shared: set[str], swarm: frozenset[str] | set[str] = frozenset()) -> str:
     module = nodeid.split("::")[0]
+    if module in swarm or nodeid.split("[")[0] in swarm:
+        return SWARM_LANE
     return module if module in shared else nodeid
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``-n N`` (``--dist load``, the default with workers): units of work are single tests, or a
-    whole module sharing a fixture, handed out in the workers' order (longest first, below)."""
+    """``-n N`` (``--dist load``, the default with workers): units of work are single tests, a
+    whole module sharing a fixture, or the swarm lane, handed out in the workers' order (the
+    swarm lane first, then longest first; below). A worker gets its next unit only as it starts
+    the last test of its current one, so the worker on the swarm lane takes no other unit
+    until the lane is done."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    shared = modules_sharing_fixtures()
+    shared, swarm = modules_sharing_fixtures(), tests_marked_swarm()
 
     class LongestFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid, shared)
+            return work_unit(nodeid, shared, swarm)
 
-    config.option.loadscopereorder = False  # keep the longest-first order
+        def _reschedule(self, node) -> None:
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            # One pending test: a worker holds its last test until it knows the next (or
+            # that there is none), for the fixtures' teardown.
+            if self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    config.option.loadscopereorder = False  # keep the workers' order
     return LongestFirst(config, log)
+
+
+# What a worker off the swarm lane runs yields the CPU to the lane: nice 10 for the worker and
+# every process its tests start (CFS gives it about a tenth of a core's share against the
+# lane's processes at 0). The lane's swarms then run about as fast as alone, and the rest of the
+# suite fills the time their peers wait on rounds. Those other tests' timing margins are wide
+# (seconds against minutes); the lane's are not.
+YIELD_TO_THE_LANE = 10
+
+
+def pytest_runtest_setup(item):
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("swarm") is None:
+        if os.getpriority(os.PRIO_PROCESS, 0) < YIELD_TO_THE_LANE:
+            os.setpriority(os.PRIO_PROCESS, 0, YIELD_TO_THE_LANE)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -74,15 +136,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 def order_longest_first(items):
-    """Each unit of work (``work_unit``) by its known duration (``durations.json``), longest first."""
+    """The swarm lane first (the longest unit: the other workers fill the time around it), then
+    each unit of work (``work_unit``) by its known duration (``durations.json``), longest first."""
     known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    shared = modules_sharing_fixtures()
+    shared, swarm = modules_sharing_fixtures(), tests_marked_swarm()
     weight: dict[str, float] = {}
     for item in items:
-        unit = work_unit(item.nodeid, shared)
+        unit = work_unit(item.nodeid, shared, swarm)
         weight[unit] = weight.get(unit, 0.0) + known.get(item.nodeid, 1.0)
     order = {item.nodeid: i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-weight[work_unit(item.nodeid, shared)], order[item.nodeid]))
+
+    def key(item):
+        unit = work_unit(item.nodeid, shared, swarm)
+        return unit != SWARM_LANE, -weight[unit], order[item.nodeid]
+
+    items.sort(key=key)
 
 
 _durations: dict[str, float] = {}

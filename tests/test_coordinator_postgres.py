@@ -19,7 +19,7 @@ def test_a_coordinator_on_postgres_keeps_every_row_across_a_restart(postgres, sw
 
     url = postgres.new_database()
     swarm = swarm_factory(swarm={"target_batch_size": 96, "checkpoint_every_epochs": 2, "matchmaking_time_s": 2.0})
-    extra = ["--db", url, "--samples-every", "0"]
+    extra = ["--db", url]
     swarm.start_coordinator(extra=extra)
     for name in ("alice", "bob"):
         swarm.join(name, batch_size=4, max_epochs=6)

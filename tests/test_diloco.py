@@ -31,6 +31,7 @@ def digests_by_epoch(summaries: dict[str, dict], *, skip_overtaken: bool) -> dic
     return by_epoch
 
 
+@pytest.mark.swarm
 @pytest.mark.timeout(420)
 def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_up(swarm_factory):
     # Rounds of 768 samples: about 16 inner steps per peer, several matchmaking windows.
@@ -151,6 +152,7 @@ def check_attacked_run(swarm, epochs) -> None:
 # then counts a member that never takes part (it failed 2 of 5 full-suite runs; in the one
 # examined, an honest peer was alone for two rounds, so fewer suspect verdicts); a broken feature
 # fails both runs.
+@pytest.mark.swarm
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(420)
 def test_overlapped_outer_rounds_agree_and_centered_clip_holds_off_a_scaling_attacker(swarm_factory, tmp_path):

@@ -21,6 +21,7 @@ STALLED_S = 150.0  # for both runs' peers to reach ROUNDS epochs
 # One rerun: its subject is timing (the first rounds), and a busy machine (or a test on another
 # worker, ``make test TEST_WORKERS=2``) can starve a peer of CPU past a round; a broken feature
 # fails both runs.
+@pytest.mark.swarm
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.slow
 @pytest.mark.timeout(600)

@@ -79,7 +79,7 @@ def run(tmp_path_factory):
         return p
 
     try:
-        swarm.info = swarm.start_coordinator(extra=["--samples-every", "0"])
+        swarm.info = swarm.start_coordinator()
         swarm.peer = peer
         yield swarm
     finally:

@@ -58,8 +58,8 @@ def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
     # Step 4: the coordinator with both tokenizers by flag and the organizer's own prompts.
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# the gallery\na blue checkerboard number 1\n[held-out] a green gradient number 2\n")
-    swarm = LocalSwarm(tmp_path, preset="tiny", data=str(shards),
-                  swarm={"target_batch_size": 64, "checkpoint_every_epochs": 2, "matchmaking_time_s": 2.0})
+    swarm = LocalSwarm(tmp_path, preset="tiny", data=str(shards), samples_every=1,
+                       swarm={"target_batch_size": 64, "checkpoint_every_epochs": 2, "matchmaking_time_s": 2.0})
     try:
         info = swarm.start_coordinator(extra=["--image-tokenizer", str(vq), "--text-tokenizer", str(text),
                                               "--sample-prompts", str(prompts)])

@@ -84,6 +84,7 @@ def test_the_step_clock_takes_the_median_so_a_step_carrying_a_round_does_not_str
 # One rerun: its subject is timing, and a busy machine (or a test on another worker, ``make test
 # TEST_WORKERS=2``) can starve a peer of CPU past the booked moment; a broken feature fails both
 # runs (without booking, epochs 1 and 3 of 4 split here).
+@pytest.mark.swarm
 @pytest.mark.flaky(reruns=1)
 def test_a_swarm_whose_steps_outlast_matchmaking_meets_in_one_group_and_stays_one_model(swarm_factory, tmp_path):
     """Five real volunteers, 5 s steps, 1.5 s of matchmaking: each notices the epoch's end up to a

@@ -32,6 +32,7 @@ def initial_loss() -> float:
 
 # One rerun: a slow, shared 2-core machine crosses this test's timing margins now and then;
 # a broken feature fails both runs.
+@pytest.mark.swarm
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(420)
 def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_model_is_refused(swarm_factory):
@@ -136,6 +137,7 @@ def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_mode
     assert sum(r["samples"] for r in board.values()) >= epochs * 768 * 0.5, board
 
 
+@pytest.mark.swarm
 @pytest.mark.timeout(600)
 def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once(tmp_path):
     """Four volunteers join a three-peer run at the same moment (hivemind #169: all downloading
@@ -171,6 +173,7 @@ SHAPES_MODEL = ["--model", "image_vocab_size=1280", "--model", "image_code_facto
 
 # One rerun: a slow, shared 2-core machine crosses this test's timing margins now and then;
 # a broken feature fails both runs.
+@pytest.mark.swarm
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(720)
 def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, tmp_path):

@@ -43,8 +43,7 @@ def test_allowlist_run_admits_keys_refuses_strangers_revokes_and_keeps_its_histo
     swarm = LocalSwarm(tmp_path, swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000})
     try:
         keys = {name: add_user(swarm.run_dir, name) for name in ("alice", "bob")}
-        info = swarm.start_coordinator(extra=["--auth", "allowlist", "--token-lifetime-s", str(LIFETIME_S),
-                                              "--samples-every", "0"])
+        info = swarm.start_coordinator(extra=["--auth", "allowlist", "--token-lifetime-s", str(LIFETIME_S)])
         assert info["auth"]["mode"] == "allowlist"
         assert info["initial_peers"] == [], "an allowlist run gives its addresses only to holders of a key"
         info = json.loads((swarm.run_dir / "run.json").read_text())  # a stranger who learned them anyway
