@@ -31,6 +31,7 @@ def test_the_throughput_estimate_follows_the_models_speed(monkeypatch):
     assert fast > 2 * slow > 0
 
 
+@pytest.mark.swarm  # time-boxed: a starved run reaches fewer epochs
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_short_demo_trains_in_diloco_mode_and_reports_held_out_loss_and_adherence(tmp_path):

@@ -203,6 +203,7 @@ def test_a_coordinator_that_is_down_leaves_the_volunteers_schedule_as_it_was():
     assert schedule.total_epochs == 60
 
 
+@pytest.mark.swarm  # time-boxed: a starved run reaches fewer epochs
 @pytest.mark.timeout(240)
 def test_a_time_budget_run_sizes_its_total_volunteers_pick_it_up_and_leave_cleanly_at_the_end(swarm_factory):
     """The whole schedule with real processes: a coordinator given a time budget, two volunteers
