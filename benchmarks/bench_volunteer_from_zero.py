@@ -93,13 +93,14 @@ def link_preinstalled(name: str, venv: Path, folder: Path) -> list[str]:
     from packaging.requirements import Requirement
 
     folder.mkdir(parents=True, exist_ok=True)
-    # The venv has its own pip and setuptools (pip upgrades them there if a requirement asks).
-    todo, done = [name], ["pip", "setuptools"]
+    own = {"pip", "setuptools"}  # the venv's own (pip upgrades them there if a requirement asks)
+    todo, done = [name], []
     while todo:
         dist = metadata.distribution(todo.pop())
-        if dist.metadata["Name"].lower() in done:
+        key = dist.metadata["Name"].lower()
+        if key in done or key in own:
             continue
-        done.append(dist.metadata["Name"].lower())
+        done.append(key)
         site = Path(dist.locate_file(""))
         tops = {Path(f).parts[0] for f in dist.files or ()}
         for top in tops - {"..", "__pycache__"}:
@@ -110,7 +111,7 @@ def link_preinstalled(name: str, venv: Path, folder: Path) -> list[str]:
             if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
                 todo.append(requirement.name)
     (site_packages(venv) / "preinstalled.pth").write_text(f"{folder}\n")
-    return done[2:]
+    return done
 
 
 def site_packages(venv: Path) -> Path:
