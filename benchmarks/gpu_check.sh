@@ -15,15 +15,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-# What crowdtrain needs beyond torch: its own dependencies, the swarm and the coordinator's web
-# extras (the two-volunteer test starts a coordinator), from pyproject.toml; not plotly (memcalc's
+# What crowdtrain needs beyond torch: its own dependencies, the volunteer's (the two-volunteer test
+# streams shards through `datasets`) and the coordinator's web extras, from pyproject.toml; not plotly (memcalc's
 # page) nor psycopg (PostgreSQL coordinators), which the check does not use.
 requirements() {
     "$PY" -c '
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-for req in project["dependencies"] + extras["swarm"] + extras["web"]:
+for req in project["dependencies"] + extras["volunteer"] + extras["web"]:
     if not req.startswith(("torch", "plotly", "psycopg")):
         print(req)
 '
@@ -34,9 +34,9 @@ for req in project["dependencies"] + extras["swarm"] + extras["web"]:
 # where it runs, one wheel each without dependencies: about 85 MB, more than the device tool
 # carries in one call (64 MiB with the tree), so carry .whl/ in two parts to a warm machine
 # (each run installs the wheels it finds; once everything imports, none are needed).
-LACKS=(numpy hivemind bitsandbytes annotated-types base58 blake3 cffi configargparse cryptography fastapi
+LACKS=(numpy hivemind bitsandbytes datasets dill multiprocess annotated-types base58 blake3 cffi configargparse cryptography fastapi
        grpcio-tools mmh3 morphys netaddr opentelemetry-api prefetch-generator py-cid py-multibase
-       py-multicodec py-multihash pycparser pydantic pydantic-core python-baseconv sqlalchemy starlette
+       protobuf py-multicodec py-multihash pycparser pydantic pydantic-core python-baseconv sqlalchemy starlette
        swagger-ui-py typing-inspection uvicorn varint)
 
 if [[ "${1:-}" == "--fetch" ]]; then
@@ -46,9 +46,33 @@ if [[ "${1:-}" == "--fetch" ]]; then
     platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
     pins=$("$PY" -c 'import sys, importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
         "${LACKS[@]}") || exit 1
-    # shellcheck disable=SC2086  # one pin per word
-    "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
-        --implementation cp "${platforms[@]}" -d .whl $pins || exit 1
+    for pin in $pins; do
+        # A package published only as source (prefetch-generator, morphys, ...) is pure Python:
+        # build its wheel here, where pip works; its py3-none-any wheel installs anywhere.
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
+            --implementation cp "${platforms[@]}" -d .whl "$pin" 2>/dev/null \
+            || "$PY" -m pip wheel -q --no-deps -w .whl "$pin" || { echo "!! no wheel for $pin"; exit 1; }
+    done
+    # bitsandbytes ships a kernel library for every CUDA, ROCm and XPU release (over 40 MB):
+    # keep those for the device's CUDA major (CUDA_MAJOR, default 13: the image's torch is cu130)
+    # and the CPU one, so the wheels and the tree fit one call of the device tool.
+    "$PY" - "${CUDA_MAJOR:-13}" .whl/bitsandbytes-*.whl <<'PYEOF' || exit 1
+import re, sys, zipfile, os
+major, path = sys.argv[1], sys.argv[2]
+keep = re.compile(rf"libbitsandbytes_(cpu|cuda{major}\d)\.so$")
+dropped = lambda name: "libbitsandbytes_" in name and not keep.search(name)
+slim = path + ".slim"
+with zipfile.ZipFile(path) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as dst:
+    for item in src.infolist():
+        if dropped(item.filename):
+            continue
+        data = src.read(item)
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(line for line in data.splitlines(keepends=True)
+                            if not dropped(line.split(b",")[0].decode()))
+        dst.writestr(item, data)
+os.replace(slim, path)
+PYEOF
     echo "wheels in .whl/: $(du -sh .whl | cut -f1) (the device tool carries at most 64 MiB with the tree)"
     exit 0
 fi
@@ -62,7 +86,7 @@ echo "== gpu_check $(date -u +%FT%TZ) on $(hostname), commit $(git rev-parse --s
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: none"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'sees', torch.cuda.device_count(), 'GPU(s)')"
 
-imports_ok() { "$PY" -c "import hivemind, bitsandbytes, fastapi, uvicorn, sqlalchemy, einops" 2>/dev/null; }
+imports_ok() { "$PY" -c "import hivemind, bitsandbytes, datasets, fastapi, uvicorn, sqlalchemy, einops" 2>/dev/null; }
 if ls .whl/*.whl >/dev/null 2>&1; then
     echo "== packages: installing the wheels in .whl/"
     "$PY" -m pip install -q --no-index --no-deps .whl/*.whl || echo "!! some wheels in .whl/ did not install"
@@ -70,6 +94,7 @@ fi
 if imports_ok; then
     echo "== packages: all there"
 else
+    "$PY" -c "import hivemind, bitsandbytes, datasets, fastapi, uvicorn, sqlalchemy, einops" 2>&1 | tail -1
     echo "== packages: from pip's registry"
     mapfile -t reqs < <(requirements)
     "$PY" -m pip install -q "${reqs[@]}" || echo "!! pip could not install everything; the tests below say what is missing"
