@@ -143,6 +143,7 @@ def train_rows(args, device, flops_model) -> list[dict]:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                     rows.append({**row, "oom": True})
+                    progress(rows[-1])
                     break  # larger batches do not fit either
                 samples_per_s = batch / seconds
                 achieved = samples_per_s * config.seq_len * flops_model / 1e12
@@ -151,6 +152,7 @@ def train_rows(args, device, flops_model) -> list[dict]:
                              "model_tflops": achieved, "mfu": achieved / args.peak_tflops if args.peak_tflops else None,
                              "peak_gb": peak / GIB, "memcalc_gb": calc, "vs_memcalc_of": reference,
                              "vs_memcalc": peak / GIB / calc[reference] - 1})
+                progress(rows[-1])
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -223,6 +225,13 @@ def offload_row(args, device, batch: int) -> dict:
             "optimizer_s": optimizer_s, "overlapped_s": both_s, "hidden": both_s <= 1.1 * step_s}
 
 
+def progress(row: dict) -> None:
+    """One line per measured row as it comes: the paper preset's whole table takes minutes, and a
+    run cut short (a lent GPU's time is short) still shows what it measured."""
+    print("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in row.items() if not isinstance(v, dict)), flush=True)
+
+
 def table(rows: list[dict]) -> str:
     lines = [f"{'reversible':>10} {'attention':>9} {'batch':>5} {'samples/s':>10} {'MFU':>6} {'peak GiB':>9} "
              f"{'memcalc mixed..fp32':>20} {'vs memcalc':>10}"]
@@ -272,10 +281,13 @@ def main(argv=None) -> dict:
     info = model_info(get_preset(args.preset))
     flops_model = 3 * info["flops_per_token"]["forward"]
 
+    print(f"{args.preset} on {name}, {args.precision}: one line per measurement", flush=True)
     rows = train_rows(args, device, flops_model)
     rows.append(sampling_row(args, device))
+    progress(rows[-1])
     fitted = [r["batch"] for r in rows if r["section"] == "train" and r["reversible"] and not r["oom"]]
     rows.append(offload_row(args, device, max(fitted, default=args.batch_sizes[0])))
+    progress(rows[-1])
     result = {"device": name, "device_type": device.type, "torch": torch.__version__,
               "cuda": torch.version.cuda, "preset": args.preset, "precision": args.precision,
               "seq_len": get_preset(args.preset).seq_len, "model_flops_per_token": flops_model,
