@@ -22,11 +22,13 @@ Prints a table and writes JSON (with the device's name) for one model preset, by
 
     python benchmarks/bench_gpu.py                       # a GPU: the paper preset (gpu_check.sh gives it 150 s)
     python benchmarks/bench_gpu.py --preset tiny --device cpu --batch-sizes 2 --samples 4 --peak-tflops 0.1
+    python benchmarks/bench_gpu.py --profile 8             # where one step's time goes (torch.profiler)
 
 Targets on an H100 (bf16): MFU >= 40% for the paper preset's step, peak memory within 10% of
-memcalc, the offloaded optimizer step hidden behind the next step. If MFU is low at small
-batches, the step is launch-bound (raise the batch); if `dense` beats `efficient` on your card,
-move ``AUTO_EFFICIENT_MIN_SEQ`` in crowdtrain/model/attention.py.
+memcalc, the offloaded optimizer step hidden behind the next step. If MFU is low, ``--profile``
+says whether the step is launch-bound (CPU time above GPU time: raise the batch, fuse ops); if
+`efficient` beats `dense` on your card, take ``"cuda"`` out of ``AUTO_DENSE_DEVICES`` in
+crowdtrain/model/attention.py. Measured figures: docs/benchmarks.md, "On a GPU".
 """
 
 from __future__ import annotations
@@ -225,6 +227,33 @@ def offload_row(args, device, batch: int) -> dict:
             "optimizer_s": optimizer_s, "overlapped_s": both_s, "hidden": both_s <= 1.1 * step_s}
 
 
+def profile_step(args, device, batch: int) -> dict:
+    """torch.profiler over one reversible training step at ``batch``: where the time goes (the
+    ops by their own CPU time and by their GPU time, and how many kernels one step launches). A
+    step whose CPU time exceeds its GPU time is launch-bound: fewer, larger kernels (fusing the
+    elementwise ops, a larger batch) help more than faster matmuls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    config = get_preset(args.preset, reversible=True, checkpointing=False)
+    torch.manual_seed(0)
+    model = DalleTransformer(config).to(device)
+    step = make_step(model, *batch_of(config, batch, device), device, args.precision)
+    for _ in range(max(1, args.warmup)):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    cpu_us = sum(e.self_cpu_time_total for e in events)
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx"))
+    tables = {key: events.table(sort_by=key, row_limit=25, max_name_column_width=60)
+              for key in ("self_cpu_time_total",) + (("self_device_time_total",) if gpu_us else ())}
+    return {"section": "profile", "batch": batch, "reversible": True, "precision": args.precision,
+            "cpu_s": cpu_us / 1e6, "gpu_s": gpu_us / 1e6, "kernel_launches": launches,
+            "launch_bound": bool(gpu_us) and cpu_us > gpu_us, "tables": tables}
+
+
 def progress(row: dict) -> None:
     """One line per measured row as it comes: the paper preset's whole table takes minutes, and a
     run cut short (a lent GPU's time is short) still shows what it measured."""
@@ -269,6 +298,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--samples", type=int, default=128, help="samples of one prompt for the sampling figure")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak for MFU (default: from the GPU's name, H100/H200/A100...)")
+    parser.add_argument("--profile", type=int, default=None, metavar="BATCH",
+                        help="instead of the figures: torch.profiler over one reversible step at this batch")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_gpu_<device>.json)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -281,6 +312,17 @@ def main(argv=None) -> dict:
     info = model_info(get_preset(args.preset))
     flops_model = 3 * info["flops_per_token"]["forward"]
 
+    if args.profile:
+        row = profile_step(args, device, args.profile)
+        for table_text in row["tables"].values():
+            print(table_text)
+        progress(row)
+        out = Path(args.out) if args.out else RESULTS / f"bench_gpu_profile_{device.type}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"device": name, "preset": args.preset, "torch": torch.__version__,
+                                   "rows": [row]}, indent=2))
+        print(f"wrote {out}")
+        return row
     print(f"{args.preset} on {name}, {args.precision}: one line per measurement", flush=True)
     rows = train_rows(args, device, flops_model)
     rows.append(sampling_row(args, device))

@@ -3,7 +3,7 @@
 # (`pytest -m cuda`) and benchmarks/bench_gpu.py, and leave the log and the JSON in one folder.
 #
 #   benchmarks/gpu_check.sh --fetch   # where pip reaches its registry: wheels for the GPU box into .whl/
-#   benchmarks/gpu_check.sh           # on the GPU box: about 7 minutes on one H100
+#   benchmarks/gpu_check.sh           # on the GPU box: about 6 minutes on one H100
 #
 # The GPU box is assumed to have python3 with a CUDA torch (and pytest) but none of the swarm's
 # packages, and may reach no registry: the packages come from the wheels in .whl/ (git-ignored;
@@ -30,10 +30,10 @@ for req in project["dependencies"] + extras["volunteer"] + extras["web"]:
 }
 
 # Of those and what they need, what the device image lacks (its package list, 2026-11; numpy
-# because the image's is 2.5 and the swarm extra pins < 2.4). --fetch takes the versions installed
-# where it runs, one wheel each without dependencies: about 85 MB, more than the device tool
-# carries in one call (64 MiB with the tree), so carry .whl/ in two parts to a warm machine
-# (each run installs the wheels it finds; once everything imports, none are needed).
+# because the image's is 2.5 and the swarm extra pins < 2.4; protobuf at the version hivemind's
+# messages were tested with). --fetch takes the versions installed where it runs, one wheel each
+# without dependencies: about 60 MB once bitsandbytes is cut to one CUDA major, which with the
+# tree (about 7 MB) fits the 64 MiB the device tool carries in one call.
 LACKS=(numpy hivemind bitsandbytes datasets dill multiprocess annotated-types base58 blake3 cffi configargparse cryptography fastapi
        grpcio-tools mmh3 morphys netaddr opentelemetry-api prefetch-generator py-cid py-multibase
        protobuf py-multicodec py-multihash pycparser pydantic pydantic-core python-baseconv sqlalchemy starlette
@@ -105,6 +105,6 @@ echo "== CUDA tests (pytest -m cuda)"
 timeout 270 "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml" tests/test_cuda.py \
     || status=1
 echo "== bench_gpu.py"
-timeout 150 "$PY" benchmarks/bench_gpu.py --out "$OUT/bench_gpu.json" || status=1
+timeout 240 "$PY" benchmarks/bench_gpu.py --steps 3 --warmup 1 --out "$OUT/bench_gpu.json" || status=1
 echo "== done (status $status): $OUT"
 exit $status

@@ -52,3 +52,15 @@ def test_bench_gpu_runs_on_cpu_with_the_tiny_preset_and_writes_every_figure(tmp_
     assert offload["batch"] == 2 and offload["optimizer_s"] > 0 and offload["overlapped_s"] > 0 and isinstance(offload["hidden"], bool)
     printed = capsys.readouterr().out
     assert "samples/s" in printed and "offloaded 8-bit LAMB" in printed
+
+
+def test_bench_gpu_profile_says_where_one_steps_time_goes(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    row = load_bench().main(["--preset", "tiny", "--device", "cpu", "--profile", "2", "--warmup", "0",
+                             "--out", str(out)])
+    saved = json.loads(out.read_text())["rows"][0]
+    assert saved["section"] == "profile" and saved["batch"] == 2 and saved["cpu_s"] > 0
+    # A CPU run has no GPU time, hence no launch-bound verdict; the table names the model's ops.
+    assert saved["gpu_s"] == 0 and saved["launch_bound"] is False and saved["kernel_launches"] == 0
+    assert "aten::" in saved["tables"]["self_cpu_time_total"] and row["cpu_s"] == saved["cpu_s"]
+    assert "aten::" in capsys.readouterr().out

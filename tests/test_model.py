@@ -290,6 +290,10 @@ def test_auto_picks_dense_for_short_sequences_and_full_and_efficient_for_long_on
     assert choose_impl("auto", "full", 4 * long_seq) == "dense"
     assert choose_impl("efficient", "axial_row", 8) == "efficient"
     assert choose_impl("dense", "axial_col", 4 * long_seq) == "dense"
+    # On CUDA the fused dense kernel wins at every length (measured on an H100); forcing stays.
+    assert choose_impl("auto", "conv_like", 4 * long_seq, "cuda") == "dense"
+    assert choose_impl("efficient", "conv_like", 4 * long_seq, "cuda") == "efficient"
+    assert choose_impl("auto", "conv_like", 4 * long_seq, "cpu") == "efficient"
     with pytest.raises(ValueError, match="unknown attention implementation"):
         choose_impl("flash", "axial_row", 8)
     assert DalleTransformer(small_config()).attention_impl == "auto"

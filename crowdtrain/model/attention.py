@@ -124,28 +124,36 @@ class Rotary(nn.Module):
 # ---- which implementation a layer runs ---------------------------------------------------
 IMPLS = ("auto", "efficient", "dense")
 
-# Below this many positions "auto" runs the dense reference. Short sequences leave little to
-# skip and the block layout spends more, smaller ops (copies, two score matmuls, a cat), which
-# per-op overhead punishes (threads on a busy CPU; kernel launches on a GPU, not measured
-# here). Measured whole training steps (benchmarks/bench_model.py, 2 shared CPU cores): the
-# demo preset (96 positions) runs the two within 10% of each other on one thread and dense
-# ~1.4x faster on two; 16x16 grids after 64 text tokens (320) gain ~1.1x from efficient, 32x32
-# (1088) ~1.7x. If your device shows another crossover (the bench prints both), move this.
+# Below this many positions "auto" runs the dense reference on a CPU. Short sequences leave little
+# to skip and the block layout spends more, smaller ops (copies, two score matmuls, a cat), which
+# per-op overhead punishes. Measured whole training steps (benchmarks/bench_model.py, 2 shared
+# CPU cores): the demo preset (96 positions) runs the two within 10% of each other on one thread
+# and dense ~1.4x faster on two; 16x16 grids after 64 text tokens (320) gain ~1.1x from
+# efficient, 32x32 (1088) ~1.7x. If your CPU shows another crossover (the bench prints both),
+# move this.
 AUTO_EFFICIENT_MIN_SEQ = 256
+# On a CUDA device "auto" always runs dense: scaled_dot_product_attention's fused kernels never
+# hold the scores, while the block layout launches several small kernels per layer. Measured on
+# one H100 (benchmarks/bench_gpu.py, the paper preset, 1088 positions, bf16): dense trained
+# 1.24x (reversible, batch 32) to 1.37x (not reversible, batch 8) faster than efficient, and in
+# 42 GiB where efficient took 56. Set ``model.attention_impl = "efficient"`` to override.
+AUTO_DENSE_DEVICES = ("cuda",)
 
 
-def choose_impl(impl: str, pattern: str, seq_len: int) -> str:
+def choose_impl(impl: str, pattern: str, seq_len: int, device_type: str = "cpu") -> str:
     """The implementation one layer runs: ``impl`` itself unless it is ``"auto"``.
 
-    ``auto`` picks ``dense`` for the ``full`` pattern (its efficient form attends to every
-    earlier cell anyway, so there is nothing to skip) and for sequences shorter than
-    ``AUTO_EFFICIENT_MIN_SEQ``, and ``efficient`` otherwise.
+    ``auto`` picks ``dense`` on the devices of ``AUTO_DENSE_DEVICES``, for the ``full`` pattern
+    (its efficient form attends to every earlier cell anyway, so there is nothing to skip) and for
+    sequences shorter than ``AUTO_EFFICIENT_MIN_SEQ``, and ``efficient`` otherwise.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {list(IMPLS)}")
     if impl != "auto":
         return impl
-    return "dense" if pattern == "full" or seq_len < AUTO_EFFICIENT_MIN_SEQ else "efficient"
+    if device_type in AUTO_DENSE_DEVICES or pattern == "full" or seq_len < AUTO_EFFICIENT_MIN_SEQ:
+        return "dense"
+    return "efficient"
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -387,7 +395,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         b, n, _ = x.shape
         qkv = self.to_qkv(x)
-        if choose_impl(ctx.impl, self.pattern, n) == "dense":
+        if choose_impl(ctx.impl, self.pattern, n, x.device.type) == "dense":
             q, k, v = self._heads(qkv, 0)
             mask = ctx.mask(("dense", self.pattern), lambda: self._dense_mask(ctx, n))
             p = self.dropout if self.training else 0.0
