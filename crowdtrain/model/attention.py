@@ -134,7 +134,7 @@ IMPLS = ("auto", "efficient", "dense")
 AUTO_EFFICIENT_MIN_SEQ = 256
 # On a CUDA device "auto" always runs dense: scaled_dot_product_attention's fused kernels never
 # hold the scores, while the block layout launches several small kernels per layer. Measured on
-# one H100 (benchmarks/bench_gpu.py, the paper preset, 1088 positions, bf16): dense trained
+# one H100 (benchmarks/bench_gpu.py, the paper preset, 1280 positions, bf16): dense trained
 # 1.24x (reversible, batch 32) to 1.37x (not reversible, batch 8) faster than efficient, and in
 # 42 GiB where efficient took 56. Set ``model.attention_impl = "efficient"`` to override.
 AUTO_DENSE_DEVICES = ("cuda",)
