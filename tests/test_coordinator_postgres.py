@@ -14,6 +14,9 @@ from crowdtrain.launch import get_json
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+# In the swarm lane: its auxiliary peer must keep up with the volunteers' rounds to checkpoint,
+# which a starved (nice 10) peer beside a storm of newcomers did not (its checkpoints stayed empty).
+@pytest.mark.swarm
 def test_a_coordinator_on_postgres_keeps_every_row_across_a_restart(postgres, swarm_factory):
     import psycopg
 

@@ -39,6 +39,9 @@ def image_folder(folder, num: int, seed: int):
     return folder
 
 
+# In the swarm lane: its gallery needs the auxiliary peer to checkpoint while the volunteers
+# train, which a starved (nice 10) auxiliary peer beside a storm of newcomers did not.
+@pytest.mark.swarm
 def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
     images = image_folder(tmp_path / "my_images", 60, seed=3)
     valid = image_folder(tmp_path / "my_valid", 8, seed=4)
