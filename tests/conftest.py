@@ -2,7 +2,6 @@
 PostgreSQL) the coordinator's storage is tested against."""
 
 import ast
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -10,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from crowdtrain.launch import LocalSwarm
-from crowdtrain.lifecycle import keep_priority_in_new_session
 
 
 def pytest_configure(config):
@@ -131,14 +129,6 @@ def pytest_runtest_setup(item):
     if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("swarm") is None:
         if os.getpriority(os.PRIO_PROCESS, 0) < YIELD_TO_THE_LANE:
             os.setpriority(os.PRIO_PROCESS, 0, YIELD_TO_THE_LANE)
-            # With autogroups the worker shares its session's group with the lane's worker, a
-            # group worth as much as each of the lane's peers whatever its nice value: in a
-            # session and group of its own at nice 10 it yields to them (a worker that leads its
-            # process group cannot start a session, and keeps its nice value alone).
-            if os.path.exists("/proc/self/autogroup"):
-                with contextlib.suppress(OSError):
-                    os.setsid()
-                keep_priority_in_new_session()
 
 
 @pytest.hookimpl(tryfirst=True)

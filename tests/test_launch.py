@@ -60,11 +60,11 @@ SPAWN_NICELY = """
 import os, sys, time
 from pathlib import Path
 from crowdtrain.launch import spawn
-niceness = os.nice(7)  # 7 more than the test's own (a worker off the swarm lane runs at 10)
+os.nice(7)
 child = spawn([sys.executable, "-c", "import time; time.sleep(20)"], Path(sys.argv[1]))
 time.sleep(1.0)
 group = Path(f"/proc/{child.pid}/autogroup")
-print(niceness, os.getpriority(os.PRIO_PROCESS, child.pid), group.read_text().strip() if group.exists() else "none")
+print(os.getpriority(os.PRIO_PROCESS, child.pid), group.read_text().strip() if group.exists() else "none")
 child.kill()
 """
 
@@ -76,7 +76,7 @@ def test_a_process_spawned_in_its_own_session_keeps_its_parents_nice_value(tmp_p
     out = subprocess.run([sys.executable, "-c", SPAWN_NICELY, str(tmp_path / "child.log")], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    expected, nice, group = out.stdout.split(maxsplit=2)
-    assert nice == expected and int(expected) >= 7
+    nice, group = out.stdout.split(maxsplit=1)
+    assert nice == "7"
     if Path("/proc/self/autogroup").exists():  # a kernel with autogroups: the child's group yields too
-        assert group.strip().endswith(f"nice {expected}"), group
+        assert group.strip().endswith("nice 7"), group
