@@ -38,33 +38,6 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def keep_priority_in_new_session() -> None:
-    """In a child started in its own session (``preexec_fn``, after ``setsid``): keep the
-    parent's nice value against the rest of the machine.
-
-    Where the kernel groups processes by session (``sched_autogroup_enabled``, on by default on
-    many distributions), CPU is shared between sessions first and a nice value only orders the
-    processes inside one: a peer started in its own session by ``nice -n 10 crowdtrain demo``
-    would run at full priority again. Setting the new session's group to the same nice value
-    keeps it yielding. Nothing to do on other kernels or without a positive nice value."""
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    if niceness <= 0:
-        return
-    try:
-        with open("/proc/self/autogroup", "w") as group:
-            group.write(str(niceness))
-    except OSError:  # no autogroups (kernel setting or not Linux): the nice value alone holds
-        pass
-
-
-def start_in_own_session() -> None:
-    """``preexec_fn`` of a child started with ``start_new_session=True``: it dies with its
-    parent and keeps its parent's priority (:func:`die_with_parent`,
-    :func:`keep_priority_in_new_session`)."""
-    die_with_parent()
-    keep_priority_in_new_session()
-
-
 def _before_fork() -> None:
     global _forked_from_main_thread
     _forked_from_main_thread = threading.current_thread() is threading.main_thread()

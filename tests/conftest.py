@@ -116,10 +116,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 # What a worker off the swarm lane runs yields the CPU to the lane: nice 10 for the worker and
 # every process its tests start (CFS gives it about a tenth of a core's share against the
-# lane's processes at 0). A swarm's processes start in sessions of their own, which a kernel with
-# autogroups schedules as groups of their own; crowdtrain.launch.spawn gives each new group its
-# parent's nice value (crowdtrain.lifecycle.keep_priority_in_new_session), else they would not
-# yield. The lane's swarms then run about as fast as alone, and the rest of the
+# lane's processes at 0). The lane's swarms then run about as fast as alone, and the rest of the
 # suite fills the time their peers wait on rounds. Those other tests' timing margins are wide
 # (seconds against minutes); the lane's are not.
 YIELD_TO_THE_LANE = 10
