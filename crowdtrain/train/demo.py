@@ -114,13 +114,17 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
                 if all(proc.returncode == 0 for proc in volunteers.values()):
                     break  # every volunteer reached --max-epochs, or the run's last epoch
                 raise RuntimeError(f"every volunteer exited early; see the logs in {out / 'logs'}")
+            if end is None and time.monotonic() >= startup_ends:  # even while the status does not answer
+                end = time.monotonic() + 60 * minutes
+                print(f"not every volunteer trains after {STARTUP_WAIT_S:.0f} s (see their logs); training for "
+                      f"{minutes:g} minutes\n", flush=True)
             try:
                 status = launch.get_json(f"{url}/api/status")
             except OSError:
                 continue
             live = status.get("peers", [])
             if end is None:
-                if len(live) >= peers or time.monotonic() >= startup_ends:
+                if len(live) >= peers:
                     end = time.monotonic() + 60 * minutes
                     print(f"{len(live)} of {peers} volunteer(s) training; training for {minutes:g} minutes\n",
                           flush=True)
