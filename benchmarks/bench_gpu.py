@@ -20,7 +20,7 @@ Prints a table and writes JSON (with the device's name) for one model preset, by
   gradients copied out before, the weights copied back after): it is hidden when the whole takes
   no more than 1.1x the training step alone.
 
-    python benchmarks/bench_gpu.py                       # a GPU: the paper preset (gpu_check.sh gives it 150 s)
+    python benchmarks/bench_gpu.py                       # a GPU: the paper preset, about 3 min on an H100 (gpu_check.sh: --steps 3 --warmup 1)
     python benchmarks/bench_gpu.py --preset tiny --device cpu --batch-sizes 2 --samples 4 --peak-tflops 0.1
     python benchmarks/bench_gpu.py --profile 8             # where one step's time goes (torch.profiler)
 
