@@ -157,6 +157,45 @@ def test_join_stops_before_any_peer_starts_with_the_coordinators_install_line(tm
         check_same_protocol({"run_id": "r"}, "http://h")  # a coordinator from before protocol numbers
 
 
+@pytest.mark.parametrize("answer", [409, 200], ids=["refused by the coordinator", "an older coordinator"])
+def test_join_of_another_protocol_stops_before_importing_torch(answer):
+    """`crowdtrain join` asks the coordinator before torch's import (seconds, a minute on a busy
+    machine): a volunteer of another protocol reads the install line at once. A coordinator that
+    refuses answers 409; one from before the question answers its join information."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    install = 'pip install "crowdtrain[volunteer] @ http://h/install/x.whl"'
+    body = ({"detail": f"this coordinator runs another crowdtrain; install it: {install}"} if answer == 409 else
+            {"crowdtrain": {"protocol": release.PROTOCOL + 1, "install": install}})
+
+    class Coordinator(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = json.dumps(body).encode()
+            self.send_response(answer)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Coordinator)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        script = ("import sys; from crowdtrain.cli import main; "
+                  f"code = main(['join', 'http://127.0.0.1:{server.server_address[1]}']); "
+                  "print('torch imported:', 'torch' in sys.modules); sys.exit(code)")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert install in done.stderr and "torch imported: False" in done.stdout, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("path", ["/join.ipynb", "/generate.ipynb"])
 def test_the_notebooks_are_valid_with_the_coordinators_address_filled_in(tmp_path, path):
     import nbformat

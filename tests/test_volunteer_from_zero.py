@@ -104,7 +104,8 @@ def test_a_volunteer_of_another_protocol_stops_at_once_with_the_install_line(swa
     assert fresh["line"] in done.stderr, done.stderr
     # Refused before the DHT: no p2p identity, no hivemind log line.
     assert "identity" not in done.stderr and "hivemind" not in done.stderr, done.stderr
-    assert time.monotonic() - start < 60
+    # Before torch's import, too: a busy machine's minute of imports is not waited on.
+    assert time.monotonic() - start < 60, f"refused after {time.monotonic() - start:.0f} s"
     assert get_json(f"{swarm.url}/api/counters")["joins_refused_protocol"] == before + 1
     assert any("another protocol" in p for p in get_json(f"{swarm.url}/api/status")["problems"])
 

@@ -156,14 +156,17 @@ class _Stop:
         self.event.set()
 
 
-def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None) -> dict:
+def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, info: dict | None = None) -> dict:
+    """``info``: the coordinator's join information when the caller fetched it already (``crowdtrain
+    join`` does, before importing torch); otherwise it is fetched here."""
     from crowdtrain.swarm.join_info import check_join_info, check_same_protocol, fetch_json, join_url
 
     base = config.coordinator_url.rstrip("/")
     # First, before seconds of imports (hivemind, bitsandbytes): a wrong address is said at once.
     # Says which crowdtrain this is: a coordinator of another protocol answers with the line that
     # installs its own, and this stops before any DHT or thread starts.
-    info = fetch_json(join_url(base), api_key=config.api_key)
+    if info is None:
+        info = fetch_json(join_url(base), api_key=config.api_key)
     check_same_protocol(info, base)
     from crowdtrain.swarm.schedule_watch import ScheduleWatch, check_not_finished, run_schedule
 
