@@ -44,9 +44,10 @@ def launch_chromium(playwright):
 def trained(tmp_path_factory):
     """A finished short run whose coordinator is still serving: alice and bob trained EPOCHS epochs
     or more, until the history holds LOSS_POINTS points with a training loss (the dashboard test
-    plots them). The auxiliary peer records a point every 2 s or so, and `tiny`'s epochs here take
-    about 2 s each: EPOCHS of them alone leave 2 to 3 such points, and none come once the peers
-    have left."""
+    plots them) and the auxiliary peer has saved a checkpoint (the download test takes it). The
+    auxiliary peer records a point every 2 s or so, and `tiny`'s epochs here take about 2 s each:
+    EPOCHS of them alone leave 2 to 3 such points, and none come once the peers have left; on a
+    busy machine its checkpoint can come epochs after the one that asked for it."""
     require_chromium()  # before two minutes of training, not after
     swarm = LocalSwarm(tmp_path_factory.mktemp("web"), swarm={"target_batch_size": 96, "checkpoint_every_epochs": 2,
                                                         "matchmaking_time_s": 2.0})
@@ -57,7 +58,8 @@ def trained(tmp_path_factory):
         def enough() -> bool:
             try:
                 return (swarm.status()["epoch"] >= EPOCHS and LOSS_POINTS <= sum(
-                    p["loss"] is not None for p in get_json(f"{swarm.url}/api/history")))
+                    p["loss"] is not None for p in get_json(f"{swarm.url}/api/history"))
+                    and len(get_json(f"{swarm.url}/api/checkpoints")) >= 1)
             except OSError:  # a busy machine's slow answer: ask again
                 return False
 

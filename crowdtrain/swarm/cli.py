@@ -71,27 +71,28 @@ def _batch_size(value: str):
 def _join(args) -> int:
     import os
 
-    from crowdtrain.swarm.join_info import check_same_protocol, fetch_json, join_url
-
-    # Asked before torch's import (seconds; a minute on a busy machine): a coordinator of another
-    # protocol answers with the line that installs its own, and that is said at once.
-    base, api_key = args.url.rstrip("/"), args.key or os.environ.get("CROWDTRAIN_KEY")
-    info = fetch_json(join_url(base), api_key=api_key)
-    check_same_protocol(info, base)
-
     from crowdtrain.runspec.overrides import parse_overrides
-    from crowdtrain.lifecycle import forks_die_with_this_process
-    from crowdtrain.swarm.peer import VolunteerConfig, run_volunteer
+    from crowdtrain.swarm.join_info import check_same_protocol, fetch_json, join_url
+    from crowdtrain.swarm.volunteer_config import VolunteerConfig
 
-    forks_die_with_this_process()  # hivemind's DHT and averager processes end with this one
-
+    # The options first, then the coordinator's protocol, both before torch's import (seconds; a
+    # minute on a busy machine): a wrong option, or a coordinator of another protocol (which
+    # answers with the line that installs its own), is said at once.
     config = VolunteerConfig(
         coordinator_url=args.url, batch_size=args.batch_size, device=args.device, precision=args.precision,
         client_mode=args.client_mode, host=args.host, max_epochs=args.max_epochs, max_minutes=args.minutes,
-        user=args.user, api_key=api_key, identity=args.identity,
+        user=args.user, api_key=args.key or os.environ.get("CROWDTRAIN_KEY"), identity=args.identity,
         simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
         data_outage_patience_s=args.data_outage_patience_s,
         summary_file=args.summary_file, save_final=args.save_final,
         model_overrides=parse_overrides(args.model, flag="--model"), fault=args.inject_fault, verbose=args.verbose)
+    base = config.coordinator_url.rstrip("/")
+    info = fetch_json(join_url(base), api_key=config.api_key)
+    check_same_protocol(info, base)
+
+    from crowdtrain.lifecycle import forks_die_with_this_process
+    from crowdtrain.swarm.peer import run_volunteer
+
+    forks_die_with_this_process()  # hivemind's DHT and averager processes end with this one
     run_volunteer(config, info=info)
     return 0
