@@ -369,6 +369,11 @@ class AuxPeer:
             return
         epoch = self.averager.local_epoch
         if epoch <= self.last_checkpoint_epoch and not force:
+            # No peer served a newer state (all busy, or none answered in time): tried again at the
+            # next refresh, and said once, so a run without checkpoints shows why.
+            self._log_once("stale checkpoint state", "the state downloaded for a checkpoint is at epoch %d, not past "
+                           "the last checkpoint's %d, while the swarm is at %d; retrying (logged once)", epoch,
+                           self.last_checkpoint_epoch, swarm_epoch)
             return
         StateOffer(self.averager, client_mode=False).offer(epoch)
         valid_loss, valid_rows = self.evaluate_held_out()

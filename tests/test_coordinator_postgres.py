@@ -11,11 +11,10 @@ import pytest
 
 from crowdtrain.launch import get_json
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-# In the swarm lane: its auxiliary peer must keep up with the volunteers' rounds to checkpoint,
-# which a starved (nice 10) peer beside a storm of newcomers did not (its checkpoints stayed empty).
+# In the swarm lane: its auxiliary peer must keep up with the volunteers' rounds to checkpoint.
 @pytest.mark.swarm
 def test_a_coordinator_on_postgres_keeps_every_row_across_a_restart(postgres, swarm_factory):
     import psycopg
@@ -24,10 +23,23 @@ def test_a_coordinator_on_postgres_keeps_every_row_across_a_restart(postgres, sw
     swarm = swarm_factory(swarm={"target_batch_size": 96, "checkpoint_every_epochs": 2, "matchmaking_time_s": 2.0})
     extra = ["--db", url]
     swarm.start_coordinator(extra=extra)
+    # The volunteers train until the auxiliary peer has checkpointed (it downloads the state from
+    # them; on a busy machine that can come epochs after the first one due), then leave on Ctrl-C.
     for name in ("alice", "bob"):
-        swarm.join(name, batch_size=4, max_epochs=6)
-    for name in ("alice", "bob"):
-        assert swarm.wait_exit(name, 200) == 0, swarm.log(name)[-3000:]
+        swarm.join(name, batch_size=4, max_epochs=1000)
+    def checkpointed() -> bool:
+        try:
+            return bool(get_json(f"{swarm.url}/api/checkpoints")) and swarm.status()["epoch"] >= 6
+        except OSError:  # a busy machine's slow answer: ask again
+            return False
+
+    deadline = time.monotonic() + 200
+    while not checkpointed():
+        assert time.monotonic() < deadline, swarm.log("coordinator")[-2000:] + (swarm.run_dir / "aux.log").read_text()[-3000:]
+        assert all(swarm.procs[n].poll() is None for n in ("alice", "bob")), {n: swarm.log(n)[-2000:] for n in ("alice", "bob")}
+        time.sleep(1)
+    codes = swarm.interrupt_all(["alice", "bob"])
+    assert codes == {"alice": 0, "bob": 0}, {n: swarm.log(n)[-3000:] for n in codes}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         board = get_json(f"{swarm.url}/api/leaderboard")
