@@ -136,6 +136,7 @@ class AuxPeer:
                 request_timeout=self.swarm.request_timeout_s,  # below the matchmaking time, as hivemind asks
                 max_state_uploads=self.swarm.max_state_uploads, allow_state_sharing=True, start=True)
         self.last_checkpoint_epoch = self._resume()
+        self.state_trail = 0  # how many epochs the last state served trailed the swarm's (maybe_checkpoint)
         self.seen: dict[str, float] = {}
         self.round_health = swarm_metrics.RoundHealth()  # the status page's "rounds are failing"
         # Dropped records: counts by reason, the stored versions already counted (until they
@@ -358,19 +359,33 @@ class AuxPeer:
                                "can hold; not credited", r.peer_id, done["clamped"], r.credited_steps)
 
     def maybe_checkpoint(self, live: list[swarm_metrics.PeerMetrics], *, force: bool = False) -> None:
+        """Download the swarm's state and checkpoint it, every ``checkpoint_every_epochs`` epochs of
+        the states served. A state served is labelled with the epoch of its parameters, which
+        trails the epoch the volunteers report while their update is in flight (one epoch, in runs
+        of short epochs): due is counted in served epochs, with the trail the last download showed,
+        or a run checkpointing every 2 epochs would checkpoint (and download, and evaluate) at
+        every epoch."""
         swarm_epoch = max([r.epoch for r in live], default=0)
-        due = swarm_epoch >= self.last_checkpoint_epoch + self.swarm.checkpoint_every_epochs
+        due = swarm_epoch - self.state_trail >= self.last_checkpoint_epoch + self.swarm.checkpoint_every_epochs
         if not live or not (due or force):
             return
+        loaded = getattr(self.averager, "states_loaded", None)
+        loaded_before = loaded.value if loaded is not None else None
         try:
             self.averager.load_state_from_peers(timeout=self.swarm.load_state_timeout_s)
         except Exception as e:  # a peer left mid-download: try again next time
             logger.warning("could not download state for a checkpoint: %r", e)
             return
         epoch = self.averager.local_epoch
+        if loaded is not None and loaded.value == loaded_before:
+            # Nobody served a state (none offered one yet, or its donors were all busy): tried again
+            # at the next refresh, and said once, so a run without checkpoints shows why.
+            self._log_once("no checkpoint state", "no peer served its state for a checkpoint while the swarm is at "
+                           "epoch %d (none offers one yet, or all are busy uploading); retrying (logged once)",
+                           swarm_epoch)
+            return
+        self.state_trail = max(0, swarm_epoch - epoch)
         if epoch <= self.last_checkpoint_epoch and not force:
-            # No peer served a newer state (all busy, or none answered in time): tried again at the
-            # next refresh, and said once, so a run without checkpoints shows why.
             self._log_once("stale checkpoint state", "the state downloaded for a checkpoint is at epoch %d, not past "
                            "the last checkpoint's %d, while the swarm is at %d; retrying (logged once)", epoch,
                            self.last_checkpoint_epoch, swarm_epoch)

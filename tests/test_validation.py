@@ -140,7 +140,7 @@ def checkpointer(run_dir, shards, *, states, keep: int = 1) -> AuxPeer:
     aux.averager = FakeAverager(aux.model, states)
     aux.store = Store(f"sqlite:///{run_dir / 'coordinator.sqlite'}")
     aux.last_checkpoint_epoch, aux.checkpoints_written, aux.samples_possible = 0, 0, False
-    aux._logged = set()
+    aux.state_trail, aux._logged = 0, set()
     aux.held_out = aux._held_out_set()
     return aux
 
@@ -231,6 +231,47 @@ def test_the_checkpointer_survives_a_failing_evaluation(shards, tmp_path, caplog
         aux.maybe_checkpoint(peers(2.0, 2))
     assert [p.name for p in list_checkpoints(aux.checkpoint_dir)] == ["step-0000002"]
     assert [r.getMessage()[:30] for r in caplog.records] == ["held-out evaluation failed (lo"]  # logged once
+
+
+class TrailingAverager:
+    """A swarm whose served state trails its reported epoch by one (the volunteers' update in
+    flight), whose donors may serve nothing; counts its states as hivemind's downloader does."""
+
+    def __init__(self, model):
+        self.model, self.local_epoch, self.swarm_epoch, self.serving = model, 0, 0, True
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.allow_state_sharing, self.state_sharing_priority = False, 0.0
+        self.states_loaded, self.downloads = SimpleNamespace(value=0), 0
+
+    def load_state_from_peers(self, timeout=None):
+        self.downloads += 1
+        if self.serving:
+            self.local_epoch = self.swarm_epoch - 1
+            self.states_loaded.value += 1
+
+
+def test_the_checkpointer_keeps_its_cadence_in_served_epochs_and_says_when_nobody_serves(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    aux = checkpointer(run_dir, "pattern", states=[])
+    aux.swarm.checkpoint_every_epochs = 2
+    aux.averager = swarm = TrailingAverager(aux.model)
+    swarm.serving = False
+    with caplog.at_level(logging.WARNING, logger="crowdtrain.auxpeer"):
+        for epoch in (2, 3):
+            swarm.swarm_epoch = epoch
+            aux.maybe_checkpoint(peers(3.0, epoch))
+    assert aux.last_checkpoint_epoch == 0 and swarm.downloads == 2
+    assert [r.getMessage()[:48] for r in caplog.records] == ["no peer served its state for a checkpoint while "]
+    swarm.serving = True
+    for epoch in range(3, 15):
+        swarm.swarm_epoch = epoch
+        aux.maybe_checkpoint(peers(3.0, epoch))
+    # Every 2 epochs of the states served (not at every epoch, as counting the swarm's epochs did),
+    # with one download each once the trail is known.
+    assert [r["epoch"] for r in aux.store.checkpoints(include_pruned=True)] == [2, 4, 6, 8, 10, 12]
+    assert swarm.downloads == 2 + 6
+    aux.store.close()
 
 
 # ---- the rules -----------------------------------------------------------------------------------------
