@@ -74,6 +74,15 @@ def _is_ipv4(host: str) -> bool:
         return False
 
 
+def download_patience(swarm: SwarmConfig) -> dict:
+    """How long the checkpointer waits for a donor's first byte: as long as a volunteer's download
+    does (``next_chunk_timeout_s``), not hivemind's request timeout (a few seconds). A donor in a
+    round answers once the round lets go of its tensors; with epochs of seconds a round is nearly
+    always running, and downloads that gave up after the request timeout left a run without a
+    checkpoint for a minute."""
+    return {"next_chunk_timeout": swarm.next_chunk_timeout_s}
+
+
 class AuxPeer:
     def __init__(self, run_dir: Path):
         check_hivemind_version()
@@ -124,7 +133,8 @@ class AuxPeer:
         if self.swarm.mode == "diloco":  # keeps the global parameters and the outer momentum
             from crowdtrain.swarm.diloco import DiLoCoAverager
 
-            self.averager = guarded(DiLoCoAverager, self.guard).for_model(self.dht, self.model, self.swarm)
+            self.averager = guarded(DiLoCoAverager, self.guard).for_model(self.dht, self.model, self.swarm,
+                                                                          **download_patience(self.swarm))
         else:
             # A copy of the state for each download, so a checkpoint's download into our tensors
             # never tears a newcomer's (see crowdtrain.swarm.hivemind_seam.state).
@@ -134,7 +144,8 @@ class AuxPeer:
                 params=param_groups(self.model, self.swarm.weight_decay), compression=compression,
                 state_compression=compression, min_matchmaking_time=self.swarm.matchmaking_time_s,
                 request_timeout=self.swarm.request_timeout_s,  # below the matchmaking time, as hivemind asks
-                max_state_uploads=self.swarm.max_state_uploads, allow_state_sharing=True, start=True)
+                max_state_uploads=self.swarm.max_state_uploads, allow_state_sharing=True, start=True,
+                **download_patience(self.swarm))
         self.last_checkpoint_epoch = self._resume()
         self.state_trail = 0  # how many epochs the last state served trailed the swarm's (maybe_checkpoint)
         self.seen: dict[str, float] = {}
@@ -385,6 +396,9 @@ class AuxPeer:
                            swarm_epoch)
             return
         self.state_trail = max(0, swarm_epoch - epoch)
+        if self.last_checkpoint_epoch < epoch < self.last_checkpoint_epoch + self.swarm.checkpoint_every_epochs \
+                and not force:
+            return  # the state trailed more than the last one did: due again when the swarm is further on
         if epoch <= self.last_checkpoint_epoch and not force:
             self._log_once("stale checkpoint state", "the state downloaded for a checkpoint is at epoch %d, not past "
                            "the last checkpoint's %d, while the swarm is at %d; retrying (logged once)", epoch,

@@ -79,3 +79,34 @@ def test_a_busy_donor_turns_the_second_newcomer_away_and_it_does_not_take_the_ol
                 averager.shutdown()
         for dht in [root, *dhts]:
             dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_checkpointer_waits_out_a_donor_whose_round_holds_its_state():
+    """A donor in the middle of a round answers a state download once the round lets go of its
+    tensors (here: 4 s). A downloader with hivemind's request timeout (3 s) gives up and gets
+    nothing, as the coordinator's checkpointer did for a minute in runs of short epochs; with the
+    patience the checkpointer is given (crowdtrain.auxpeer.download_patience) it gets the state."""
+    from crowdtrain.auxpeer import download_patience
+    from crowdtrain.runspec.swarm import SwarmConfig
+
+    patience = download_patience(SwarmConfig(averaging_timeout_s=30.0, matchmaking_time_s=3.0))
+    assert patience["next_chunk_timeout"] >= 7.0
+    root = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [hivemind.DHT(start=True, initial_peers=root.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            for _ in range(2)]
+    donor = Peer(root, 5, upload_delay_s=4.0)
+    donor.state_sharing_priority = 5.0
+    hasty = Peer(dhts[0], 0, allow_state_sharing=False, request_timeout=3.0)
+    patient = Peer(dhts[1], 0, allow_state_sharing=False, request_timeout=3.0, **patience)
+    try:
+        wait_until(lambda: root.get("storm.all_averagers", latest=True) is not None)
+        assert hasty.load_state_from_peers(timeout=20) is None
+        state = patient.load_state_from_peers(timeout=20)
+        assert state is not None and state[0]["epoch"] == 5
+    finally:
+        for averager in (donor, hasty, patient):
+            if averager.is_alive():
+                averager.shutdown()
+        for dht in [root, *dhts]:
+            dht.shutdown()
