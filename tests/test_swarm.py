@@ -137,7 +137,10 @@ def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_mode
     assert sum(r["samples"] for r in board.values()) >= epochs * 768 * 0.5, board
 
 
+# One rerun: seven trainers and their averagers on a loaded 2-core machine split rounds now and
+# then (a newcomer left out of every round after its download); a broken feature fails both runs.
 @pytest.mark.swarm
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(600)
 def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once(tmp_path):
     """Four volunteers join a three-peer run at the same moment (hivemind #169: all downloading
