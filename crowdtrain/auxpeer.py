@@ -380,15 +380,14 @@ class AuxPeer:
         due = swarm_epoch - self.state_trail >= self.last_checkpoint_epoch + self.swarm.checkpoint_every_epochs
         if not live or not (due or force):
             return
-        loaded = getattr(self.averager, "states_loaded", None)
-        loaded_before = loaded.value if loaded is not None else None
+        loaded_before = self.averager.states_loaded.value  # counted by the downloader (StateUploadLimit)
         try:
             self.averager.load_state_from_peers(timeout=self.swarm.load_state_timeout_s)
         except Exception as e:  # a peer left mid-download: try again next time
             logger.warning("could not download state for a checkpoint: %r", e)
             return
         epoch = self.averager.local_epoch
-        if loaded is not None and loaded.value == loaded_before:
+        if self.averager.states_loaded.value == loaded_before:
             # Nobody served a state (none offered one yet, or its donors were all busy): tried again
             # at the next refresh, and said once, so a run without checkpoints shows why.
             self._log_once("no checkpoint state", "no peer served its state for a checkpoint while the swarm is at "

@@ -103,10 +103,12 @@ class FakeAverager:
         self.local_epoch = 0
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         self.allow_state_sharing, self.state_sharing_priority = False, 0.0
+        self.states_loaded = SimpleNamespace(value=0)
 
     def load_state_from_peers(self, timeout=None):
         self.model.load_state_dict(self.states.pop(0))
         self.local_epoch += 1
+        self.states_loaded.value += 1
 
 
 def trained_state(held_out: HeldOutSet) -> dict:
