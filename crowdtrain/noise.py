@@ -8,6 +8,8 @@ own logger, so they hold in the processes hivemind forks from this one (its DHT 
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 import warnings
 
 NOISE: dict[str, tuple[str, ...]] = {
@@ -17,10 +19,6 @@ NOISE: dict[str, tuple[str, ...]] = {
     # A peer schedules its next round's matchmaking ahead, while the last one may still be looking
     # for a group (a peer alone, or early in a run): hivemind queues it, by design.
     "hivemind.averaging.matchmaking": ("Another look_for_group is already in progress",),
-    # A DHT request whose sender is exiting: the request's reply channel is passed through the
-    # sender's resource-sharing socket, which is gone, so the DHT process cannot read it. Only
-    # a leaving peer sends one (its last metrics or token refresh racing its shutdown).
-    "hivemind.dht.dht": ("[Errno 2] No such file or directory",),
 }
 
 
@@ -31,6 +29,23 @@ class _DropPrefixes(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.prefixes)
+
+
+class _DropRequestsOfExitedSenders(logging.Filter):
+    """The DHT process's report of a request it could not read because its sender has exited. A
+    request carries its reply pipe, which multiprocessing passes through the sending process's
+    resource-sharing socket; once that process is gone (a leaving peer's averager or its last
+    metrics racing the shutdown) the socket is missing, refuses, or resets, and the request is
+    dropped, with nobody left to answer. Any other failure to read a request is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or record.exc_info[2] is None:
+            return True
+        frames = traceback.extract_tb(record.exc_info[2])
+        return not any(frame.filename.endswith(_RESOURCE_SHARER) for frame in frames)
+
+
+_RESOURCE_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
 
 
 class _DropLostStreamHandlers(logging.Filter):
@@ -72,6 +87,9 @@ def drop_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
             logger.addFilter(_DropPrefixes(prefixes))
+    dht = logging.getLogger("hivemind.dht.dht")
+    if not any(isinstance(f, _DropRequestsOfExitedSenders) for f in dht.filters):
+        dht.addFilter(_DropRequestsOfExitedSenders())
     asyncio = logging.getLogger("asyncio")
     if not any(isinstance(f, _DropLostStreamHandlers) for f in asyncio.filters):
         asyncio.addFilter(_DropLostStreamHandlers())

@@ -43,3 +43,49 @@ def test_a_lost_p2p_stream_handler_is_not_reported_and_any_other_lost_task_is(ca
         assert _reported(context, caplog) == [], context["message"]
     other = {"message": "Unhandled exception in client_connected_cb", "exception": ValueError("bad frame")}
     assert _reported(other, caplog), "another failure of a connection handler is reported"
+
+
+def _request_from(exits_first: bool):
+    """A request sent to this process as a peer's process sends one to its DHT process: pickled
+    with its reply pipe, which the receiver fetches from the sender's resource-sharing socket."""
+    import multiprocessing as mp
+
+    receiver, sender = mp.Pipe(duplex=False)
+    done = mp.get_context("fork").Event()
+
+    def send(sender, done):
+        reply, _ = mp.Pipe()
+        sender.send(("_get", [], {"future_pipe": reply}))
+        if not exits_first:
+            done.wait(30)
+
+    process = mp.get_context("fork").Process(target=send, args=(sender, done))
+    process.start()
+    if exits_first:
+        process.join(30)
+    try:
+        return receiver.recv()
+    finally:
+        done.set()
+        process.join(30)
+
+
+def test_a_dht_request_whose_sender_has_exited_is_not_reported_and_other_failures_are(caplog):
+    drop_known_noise()
+    dht_logger = logging.getLogger("hivemind.dht.dht")  # where hivemind's DHT process reports
+    assert _request_from(exits_first=False)[0] == "_get", "a sender still there: its request is read"
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="hivemind.dht.dht"):
+        try:
+            _request_from(exits_first=True)
+        except (OSError, ConnectionError) as e:
+            dht_logger.exception(e)  # as hivemind's DHT loop reports it
+        else:
+            raise AssertionError("reading the request of an exited sender should fail")
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionError as e:
+            dht_logger.exception(e)
+    reported = [r.getMessage() for r in caplog.records if r.name == "hivemind.dht.dht"]
+    assert reported == ["[Errno 104] Connection reset by peer"], \
+        "only the exited sender's request is dropped; the same error from anything else is kept"
