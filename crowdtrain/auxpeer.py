@@ -64,6 +64,9 @@ from crowdtrain.train.validate import DEFAULT_MAX_ROWS, HeldOutSet
 
 logger = logging.getLogger(__name__)
 
+# How long a stopping auxiliary peer waits for a checkpoint under way (main() exits hard at 20 s).
+CHECKPOINT_JOIN_S = 15.0
+
 
 def _is_ipv4(host: str) -> bool:
     import ipaddress
@@ -488,21 +491,53 @@ class AuxPeer:
             logger.warning("could not make samples for %s: %r", checkpoint, e)
 
     def run(self, refresh_s: float = 2.0) -> None:
+        """Collect every ``refresh_s`` in this thread, checkpoint in another. A checkpoint (a state
+        download, the held-out evaluation, the sample images) takes seconds on the tiny model and
+        minutes on a large one; collecting waits for none of it, so the status, the leaderboard and
+        the records of leaving peers (which live a minute in the DHT) stay current meanwhile."""
         self.announce()
+        self._live: list[swarm_metrics.PeerMetrics] | None = None
+        self._collected = threading.Event()
+        checkpointer = threading.Thread(target=self._checkpoint_loop, args=(refresh_s,), name="checkpointer",
+                                        daemon=True)
+        checkpointer.start()
         while not self.stop.is_set():
             try:
-                live = self.collect()
-                self.maybe_checkpoint(live)
-                self.maybe_final_checkpoint(live)
+                self._live = self.collect()
+                self._collected.set()
             except Exception as e:
                 # This process is the run's first DHT peer: volunteers join through it, so nothing a
                 # peer stores (or a database hiccup) may end it. Retried at the next refresh.
-                self._log_once(("loop", type(e).__name__, str(e)[:200]), "collecting metrics failed (retrying every "
-                               "%.0f s; logged once): %r", refresh_s, e, exc_info=True)
-                with contextlib.suppress(Exception):  # the database may be what failed
-                    self.store.bump("aux_peer_errors")
+                self._loop_failed("collecting metrics", refresh_s, e)
             self.stop.wait(refresh_s)
+        self._collected.set()
+        # A checkpoint under way finishes first (its files are written whole); main()'s deadline
+        # bounds a download that hangs.
+        checkpointer.join(CHECKPOINT_JOIN_S)
+        if checkpointer.is_alive():
+            logger.warning("a checkpoint still runs after %.0f s; stopping without it", CHECKPOINT_JOIN_S)
         self.shutdown()
+
+    def _checkpoint_loop(self, refresh_s: float) -> None:
+        """Checkpoint when due, on the newest records the collector saw (each turn waits for a
+        fresh collection, so a turn never acts on records older than one refresh)."""
+        while not self.stop.is_set():
+            self._collected.wait(refresh_s)
+            self._collected.clear()
+            live = self._live
+            if live is None or self.stop.is_set():
+                continue
+            try:
+                self.maybe_checkpoint(live)
+                self.maybe_final_checkpoint(live)
+            except Exception as e:
+                self._loop_failed("checkpointing", refresh_s, e)
+
+    def _loop_failed(self, what: str, refresh_s: float, e: Exception) -> None:
+        self._log_once(("loop", what, type(e).__name__, str(e)[:200]), "%s failed (retrying every %.0f s; logged "
+                       "once): %r", what, refresh_s, e, exc_info=True)
+        with contextlib.suppress(Exception):  # the database may be what failed
+            self.store.bump("aux_peer_errors")
 
     def shutdown(self) -> None:
         logger.info("stopping")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from types import SimpleNamespace
 
@@ -273,6 +274,69 @@ def test_the_checkpointer_keeps_its_cadence_in_served_epochs_and_says_when_nobod
     # with one download each once the trail is known.
     assert [r["epoch"] for r in aux.store.checkpoints(include_pruned=True)] == [2, 4, 6, 8, 10, 12]
     assert swarm.downloads == 2 + 6
+    aux.store.close()
+
+
+
+class BlockingAverager(TrailingAverager):
+    """A download that fails (a donor left mid-download), one that succeeds, then one that hangs
+    until released (a large state over a slow link)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.release, self.hanging = threading.Event(), threading.Event()
+
+    def load_state_from_peers(self, timeout=None):
+        if self.downloads == 0:
+            self.downloads += 1
+            raise TimeoutError("the donor left")
+        if self.downloads >= 2:
+            self.hanging.set()
+            assert self.release.wait(60), "the test never released the download"
+        super().load_state_from_peers(timeout)
+
+
+def test_the_auxiliary_peer_collects_while_a_checkpoint_downloads_and_finishes_it_when_stopped(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    aux = checkpointer(run_dir, "pattern", states=[])
+    aux.averager = swarm = BlockingAverager(aux.model)
+    swarm.swarm_epoch = 3
+    aux.stop, aux.schedule = threading.Event(), SimpleNamespace(state=SimpleNamespace(finished=False))
+    # collect() reads the DHT (tests/test_hostile_records.py runs it for real); here it counts.
+    collections, shut_down = [], []
+    aux.collect = lambda: collections.append(time.monotonic()) or peers(3.0, swarm.swarm_epoch)
+    aux.announce, aux.shutdown = lambda: None, lambda: shut_down.append(aux.last_checkpoint_epoch)
+    evaluate = aux.evaluate_held_out
+
+    faults = [OSError("No space left on device")]
+
+    def evaluate_once_failing():  # a fault past the download: that turn fails, the next goes on
+        if faults:
+            raise faults.pop()
+        return evaluate()
+
+    aux.evaluate_held_out = evaluate_once_failing
+    loop = threading.Thread(target=aux.run, kwargs={"refresh_s": 0.05}, daemon=True)
+    loop.start()
+    try:
+        assert swarm.hanging.wait(30), "the failed download, or the failed checkpoint, was not retried"
+        hanging_since = len(collections)
+        deadline = time.monotonic() + 30
+        while len(collections) < hanging_since + 5:
+            assert time.monotonic() < deadline, "collecting stopped while a checkpoint downloads"
+            time.sleep(0.05)
+        aux.stop.set()
+        time.sleep(0.2)
+        assert shut_down == [], "stopped with a checkpoint under way"
+    finally:
+        aux.stop.set()
+        swarm.release.set()
+        loop.join(30)
+    assert not loop.is_alive()
+    assert shut_down == [2] and [c["epoch"] for c in aux.store.checkpoints()] == [2], \
+        "the checkpoint under way is written, then the peer stops"
+    assert aux.store.counters().get("aux_peer_errors") == 1, "the failed checkpoint is counted"
     aux.store.close()
 
 
