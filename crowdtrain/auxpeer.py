@@ -401,10 +401,13 @@ class AuxPeer:
         if self.last_checkpoint_epoch < epoch < self.last_checkpoint_epoch + self.swarm.checkpoint_every_epochs \
                 and not force:
             return  # the state trailed more than the last one did: due again when the swarm is further on
-        if epoch <= self.last_checkpoint_epoch and not force:
-            self._log_once("stale checkpoint state", "the state downloaded for a checkpoint is at epoch %d, not past "
-                           "the last checkpoint's %d, while the swarm is at %d; retrying (logged once)", epoch,
-                           self.last_checkpoint_epoch, swarm_epoch)
+        if epoch <= self.last_checkpoint_epoch:
+            # Saved already. A finished run's last checkpoint (force) asks again until the last
+            # epoch's state is served: the volunteers' final update may hold it for a while.
+            if not force:
+                self._log_once("stale checkpoint state", "the state downloaded for a checkpoint is at epoch %d, not "
+                               "past the last checkpoint's %d, while the swarm is at %d; retrying (logged once)",
+                               epoch, self.last_checkpoint_epoch, swarm_epoch)
             return
         StateOffer(self.averager, client_mode=False).offer(epoch)
         valid_loss, valid_rows = self.evaluate_held_out()

@@ -274,6 +274,12 @@ def test_the_checkpointer_keeps_its_cadence_in_served_epochs_and_says_when_nobod
     # with one download each once the trail is known.
     assert [r["epoch"] for r in aux.store.checkpoints(include_pruned=True)] == [2, 4, 6, 8, 10, 12]
     assert swarm.downloads == 2 + 6
+    # A finished run's last checkpoint (forced) is written once, however often it is asked for
+    # while the volunteers' final update holds the last epoch's state back.
+    for _ in range(3):
+        aux.maybe_checkpoint(peers(3.0, 14), force=True)
+    assert [r["epoch"] for r in aux.store.checkpoints(include_pruned=True)] == [2, 4, 6, 8, 10, 12, 13]
+    assert aux.checkpoints_written == 7, "the same epoch saved (and evaluated) again"
     aux.store.close()
 
 
