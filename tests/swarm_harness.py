@@ -52,15 +52,18 @@ def check_ledger(swarm: LocalSwarm, summaries: dict[str, dict], timeout: float =
 def newcomer_storm(tmp: Path, *, newcomers: int = 4, base_peers: int = 3, mode: str = "sync",
                    target_batch_size: int = 1536, max_state_uploads: int = 1, upload_delay_s: float = 0.0,
                    storm_at_epoch: int = 2, epochs_after: int = 4, step_s: float = 0.0,
-                   timeout_s: float = 600.0) -> dict:
+                   matchmaking_time_s: float = 6.0, timeout_s: float = 600.0) -> dict:
     """``base_peers`` train; at ``storm_at_epoch`` ``newcomers`` join at the same moment. Per
     newcomer: the donor it downloaded the state from, how long that took, the epoch it joined at
     and the epoch of its first step that credited its samples (the ledger's first credited round).
     ``step_s``: pad every peer's step to this (``--simulated-step-s``), so that seven peers on two
-    cores leave CPU to matchmaking, as peers on their own machines do."""
+    cores leave CPU to matchmaking, as peers on their own machines do. ``matchmaking_time_s``: the
+    tuning guide's (``crowdtrain.runspec.swarm``) for many peers sharing a machine's cores, where
+    a would-be leader's averager answers late; at 3 s (a 1 s request timeout) the round after a
+    storm fell apart into peers alone while the suite's other worker ran beside it."""
     swarm = LocalSwarm(tmp, swarm={"target_batch_size": target_batch_size, "mode": mode, "lr": 0.01,
                               "max_state_uploads": max_state_uploads, "checkpoint_every_epochs": 1000,
-                              "matchmaking_time_s": 3.0, "averaging_timeout_s": 60.0})
+                              "matchmaking_time_s": matchmaking_time_s, "averaging_timeout_s": 60.0})
     slow = ["--inject-fault", f"slow-upload={upload_delay_s}"] if upload_delay_s > 0 else []
     if step_s > 0:
         slow += ["--simulated-step-s", str(step_s)]

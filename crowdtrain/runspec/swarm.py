@@ -2,7 +2,9 @@
 
 Tuning by symptom:
 - "Averaging gradients failed ... could not find a group" or rounds with fewer peers than are
-  alive: raise ``matchmaking_time_s`` (3-5 s on one machine or a LAN, 10-15 s over the Internet).
+  alive: raise ``matchmaking_time_s`` (3-5 s on one machine or a LAN, 6 s or more where many
+  peers share a machine's cores, 10-15 s over the Internet). A third of it, at most 3 s, is how
+  long a peer waits on a would-be leader, whose averager answers late on a busy CPU.
 - Rounds that split into several groups of a few peers each (peers in last round "4/12", "5/12";
   the dashboard says "averaging rounds are missing peers"): a peer looks at the clock only
   between its steps, so each books its place in the round one step plus ``matchmaking_time_s``
