@@ -48,27 +48,36 @@ class _DropRequestsOfExitedSenders(logging.Filter):
 _RESOURCE_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
 
 
-class _DropLostStreamHandlers(logging.Filter):
-    """asyncio's reports about hivemind's p2p stream handlers whose connection to the p2p daemon
-    closed while they waited (a groupmate cancelled its stream, or left). CPython 3.11's
-    StreamReaderProtocol drops its reference to the handler's task when the connection is lost, so
-    a handler still waiting is garbage-collected ("Task was destroyed but it is pending!"), and its
-    torn-down coroutine then fails twice more in the same way. The averaging round already treats
-    the lost stream as a failed sender; nothing in these lines is for the volunteer to act on.
-    Reports about any other task are kept."""
+class _DropHivemindTaskReports(logging.Filter):
+    """asyncio's reports about two kinds of hivemind's tasks, neither for the volunteer to act on;
+    reports about any other task are kept.
 
-    SYMPTOMS = (("Task was destroyed but it is pending", None),
-                ("Unhandled exception in client_connected_cb", "cannot reuse already awaited coroutine"),
-                ("Task exception was never retrieved", "aclose(): asynchronous generator is already running"))
+    - p2p stream handlers whose connection to the p2p daemon closed while they waited (a groupmate
+      cancelled its stream, or left). CPython 3.11's StreamReaderProtocol drops its reference to
+      the handler's task when the connection is lost, so a handler still waiting is
+      garbage-collected ("Task was destroyed but it is pending!"), and its torn-down coroutine
+      then fails twice more in the same way. The averaging round already treats the lost stream
+      as a failed sender.
+    - An averaging step that crowdtrain cancelled (the swarm went on without this peer) after its
+      group had formed: hivemind checks for cancellation only while matchmaking, so the all-reduce
+      runs to its end and then fails to hand over a result nobody waits for ("Can't set_result to
+      a future that is CANCELLED"). The groupmates got their parts; this peer downloads the state.
+    """
+
+    # (how the report starts, what its error or text says, where the task ran: None for anywhere)
+    SYMPTOMS = (("Task was destroyed but it is pending", None, "hivemind/p2p/"),
+                ("Unhandled exception in client_connected_cb", "cannot reuse already awaited coroutine", None),
+                ("Task exception was never retrieved", "aclose(): asynchronous generator is already running", None),
+                ("Task exception was never retrieved", "Can't set_result to a future that is CANCELLED",
+                 "DecentralizedAverager._step()"))
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
         error = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
-        for prefix, cause in self.SYMPTOMS:
-            if text.startswith(prefix):
-                if cause is None:
-                    return "hivemind/p2p/" not in text
-                return cause not in error and cause not in text
+        for prefix, cause, where in self.SYMPTOMS:
+            if (text.startswith(prefix) and (cause is None or cause in error or cause in text)
+                    and (where is None or where in text)):
+                return False
         return True
 
 
@@ -91,8 +100,8 @@ def drop_known_noise() -> None:
     if not any(isinstance(f, _DropRequestsOfExitedSenders) for f in dht.filters):
         dht.addFilter(_DropRequestsOfExitedSenders())
     asyncio = logging.getLogger("asyncio")
-    if not any(isinstance(f, _DropLostStreamHandlers) for f in asyncio.filters):
-        asyncio.addFilter(_DropLostStreamHandlers())
+    if not any(isinstance(f, _DropHivemindTaskReports) for f in asyncio.filters):
+        asyncio.addFilter(_DropHivemindTaskReports())
     # hivemind's state averager builds the learning-rate schedule's first value by stepping the
     # scheduler before any optimizer step; torch warns that this skips the first value, which is
     # what hivemind intends (its epochs count from the swarm's, not from this process's steps).

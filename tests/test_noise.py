@@ -45,6 +45,23 @@ def test_a_lost_p2p_stream_handler_is_not_reported_and_any_other_lost_task_is(ca
     assert _reported(other, caplog), "another failure of a connection handler is reported"
 
 
+def test_a_cancelled_averaging_step_that_finished_anyway_is_not_reported_and_other_lost_results_are(caplog):
+    from concurrent.futures import InvalidStateError
+
+    drop_known_noise()
+    lost = InvalidStateError("Can't set_result to a future that is CANCELLED (77212656771480946036648357883341218438)")
+    step = _Task("DecentralizedAverager._step() done, defined at /venv/lib/python3.11/site-packages/hivemind/"
+                 "averaging/averager.py:421")
+    assert _reported({"message": "Task exception was never retrieved", "exception": lost, "future": step},
+                     caplog) == []
+    ours = _Task("DiLoCoOptimizer._outer_round() done, defined at /work/crowdtrain/swarm/diloco.py:600")
+    assert _reported({"message": "Task exception was never retrieved", "exception": lost, "future": ours}, caplog), \
+        "a result of crowdtrain's own lost that way is a fault: reported"
+    failed = {"message": "Task exception was never retrieved", "exception": RuntimeError("all-reduce failed"),
+              "future": step}
+    assert _reported(failed, caplog), "another failure of hivemind's averaging step is reported"
+
+
 def _request_from(exits_first: bool):
     """A request sent to this process as a peer's process sends one to its DHT process: pickled
     with its reply pipe, which the receiver fetches from the sender's resource-sharing socket."""
