@@ -31,21 +31,21 @@ class _DropPrefixes(logging.Filter):
         return not str(record.msg).startswith(self.prefixes)
 
 
+_RESOURCE_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
+
+
 class _DropRequestsOfExitedSenders(logging.Filter):
     """The DHT process's report of a request it could not read because its sender has exited. A
     request carries its reply pipe, which multiprocessing passes through the sending process's
-    resource-sharing socket; once that process is gone (a leaving peer's averager or its last
-    metrics racing the shutdown) the socket is missing, refuses, or resets, and the request is
-    dropped, with nobody left to answer. Any other failure to read a request is kept."""
+    resource-sharing socket; once that process is gone (one of a leaving peer's processes racing
+    its shutdown) the socket is missing, refuses, or resets, and the request is dropped, with
+    nobody left to answer. Any other failure to read a request is kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info or record.exc_info[2] is None:
             return True
         frames = traceback.extract_tb(record.exc_info[2])
         return not any(frame.filename.endswith(_RESOURCE_SHARER) for frame in frames)
-
-
-_RESOURCE_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
 
 
 class _DropHivemindTaskReports(logging.Filter):
