@@ -283,7 +283,6 @@ def test_the_checkpointer_keeps_its_cadence_in_served_epochs_and_says_when_nobod
     aux.store.close()
 
 
-
 class BlockingAverager(TrailingAverager):
     """A download that fails (a donor left mid-download), one that succeeds, then one that hangs
     until released (a large state over a slow link)."""
@@ -314,7 +313,6 @@ def test_the_auxiliary_peer_collects_while_a_checkpoint_downloads_and_finishes_i
     aux.collect = lambda: collections.append(time.monotonic()) or peers(3.0, swarm.swarm_epoch)
     aux.announce, aux.shutdown = lambda: None, lambda: shut_down.append(aux.last_checkpoint_epoch)
     evaluate = aux.evaluate_held_out
-
     faults = [OSError("No space left on device")]
 
     def evaluate_once_failing():  # a fault past the download: that turn fails, the next goes on
