@@ -200,12 +200,6 @@ SEAMS: tuple[Seam, ...] = (
          "a suspect's samples do not count toward the target batch, and a stale record (a peer in a round or a "
          "download) is not extrapolated as if it were computing",
          _ROBUST + "test_the_progress_tracker_does_not_count_a_suspects_samples_toward_the_target", "1b5ad87469d3c13f"),
-    Seam(f"{_O}:SuspectAwareProgressTracker._progress_reporter",
-         "hivemind.optim.progress_tracker:ProgressTracker._progress_reporter", "override",
-         "store a record of the same epoch once per min_refresh_period, not at every step (each store is a few "
-         "RSA-signed RPCs); a new epoch at once",
-         _ROBUST + "test_the_progress_tracker_stores_a_record_per_refresh_period_and_a_new_epoch_at_once",
-         "affc9ed95108eacf", upstream_fix="rate-limit the progress reporter's stores to min_refresh_period"),
     Seam(f"{_O}:OptimizerSeam.load_state_from_peers",
          "hivemind.optim.optimizer:Optimizer.load_state_from_peers", "public-override",
          "through the around_catch_up hook, sync mode's catch-up (SwarmOptimizer.load_state_from_peers): bounded "

@@ -10,7 +10,6 @@ override is an entry of ``crowdtrain.swarm.hivemind_seam.SEAMS`` (upstream code,
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from typing import Callable
 
@@ -29,12 +28,11 @@ class SuspectAwareProgressTracker(ProgressTracker):
 
     hivemind estimates each peer's samples now as its last report plus its speed times the
     report's age, and a peer starts the round once that estimate reaches the target batch. A peer
-    reports while it steps (at most once per ``min_refresh_period``, below), so an old report means
-    the peer is not computing: it is in a round, a state download or a lost-branch wait. Its
-    record, 20 s old at 40 samples/s, added 800 phantom samples: the others started the next round
-    after one batch each, with almost nothing to average, while that peer was not looking for a
-    group (the round failed). A report older than the tracker's longest refresh period is counted
-    at face value plus that period's worth.
+    reports at every step, so an old report means the peer is not computing: it is in a round, a
+    state download or a lost-branch wait. Its record, 20 s old at 40 samples/s, added 800 phantom
+    samples: the others started the next round after one batch each, with almost nothing to
+    average, while that peer was not looking for a group (the round failed). A report older than
+    the tracker's longest refresh period is counted at face value plus that period's worth.
     """
 
     def __init__(self, *args, suspects: SuspectPeers, max_extrapolation_s: float | None = None, **kwargs):
@@ -54,44 +52,6 @@ class SuspectAwareProgressTracker(ProgressTracker):
         else:
             with self.lock_global_progress:
                 self.global_progress = progress
-
-    async def _progress_reporter(self):
-        """hivemind's reporter, storing a record of the same epoch at most once per
-        ``min_refresh_period``. hivemind stores one at every local step, and each store is a few
-        RPCs, each signed (RSA-2048, about 1 ms) by the caller and the callee: with steps of a
-        tenth of a second, a peer's DHT process spent most of its CPU signing them. Storing more
-        often than the others read (every ``min_refresh_period`` at most) adds nothing; between two
-        records they extrapolate from the reported speed. A new epoch is stored at once: the others
-        see the round end and count this peer's samples from there."""
-        loop = asyncio.get_event_loop()
-        last_report_time, last_report_epoch, stored_epoch = -float("inf"), -float("inf"), None
-        store_task = None
-        try:
-            while not self.shutdown_triggered.is_set():
-                wait_timeout = max(0.0, last_report_time - get_dht_time() + self.metadata_expiration / 2)
-                await loop.run_in_executor(None, self.should_report_progress.wait, wait_timeout)
-                self.should_report_progress.clear()
-                while not self.shutdown_triggered.is_set() and self.local_progress.epoch == stored_epoch:
-                    wait = last_report_time + self.min_refresh_period - get_dht_time()
-                    if wait <= 0:
-                        break
-                    await loop.run_in_executor(None, self.should_report_progress.wait, wait)
-                    self.should_report_progress.clear()
-
-                local_progress = self.local_progress
-                last_report_time = get_dht_time()
-                if local_progress.samples_accumulated > 0:
-                    last_report_epoch = self.global_epoch
-                if last_report_epoch >= self.global_epoch - 1:
-                    # As upstream: only a peer that is in sync and reporting samples (not an aux peer).
-                    stored_epoch = local_progress.epoch
-                    store_task = asyncio.create_task(asyncio.wait_for(self.dht.store(
-                        key=self.training_progress_key, subkey=self._local_public_key, value=local_progress.dict(),
-                        expiration_time=last_report_time + self.metadata_expiration, return_future=True),
-                        timeout=self.metadata_expiration))
-        finally:
-            if store_task is not None:
-                store_task.cancel()
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
