@@ -149,16 +149,16 @@ def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once
     and never falls back to the coordinator's old checkpoint while a donor of the newest state is
     only busy."""
     # Steps padded to 0.5 s (peers of their own machines: five trainers, their averagers and DHTs
-    # on two cores would leave matchmaking no CPU; seven, as this test once ran, left it so little
-    # that the round after the storm fell apart into peers alone), and epochs of 10-25 s, several
+    # on two cores would leave matchmaking no CPU; with seven, the round after the storm fell
+    # apart into peers alone), and epochs of 10-25 s, several
     # times a download (2 s, twice that for a newcomer that waits for a busy donor): as in a real
     # run, where an epoch is minutes of compute (with epochs shorter than a download, a newcomer is
     # behind again by the time its state arrives). The run ends 5 epochs after the storm
     # (epochs_after + 2): a newcomer joins within an epoch or two and must contribute within three
     # more, the last of them still a round before the end. Three, not two: here a download takes
     # half an epoch, so a newcomer whose first round formed a moment before it was ready (it has
-    # not timed its steps yet) downloads again and can miss the next one too (seen in a full run:
-    # joined at 1, alone at 1 and 2, downloading through 3, in the full group from 4 on).
+    # not timed its steps yet) downloads again and can miss the next one too (joined at 1, alone
+    # at 1 and 2, downloading through 3, in the full group from 4 on).
     storm = newcomer_storm(tmp_path, newcomers=3, base_peers=2, max_state_uploads=1, upload_delay_s=2.0,
                            target_batch_size=1536, storm_at_epoch=1, epochs_after=3, step_s=0.5)
     print(json.dumps({k: storm[k] for k in ("storm_epoch", "donors", "uploads", "per_newcomer")}, indent=1))
