@@ -1,0 +1,109 @@
+"""Where the suite's time goes: each test's wall time and CPU (its own and its processes'), by
+module, and the floor the CPU puts under the suite's wall time on this machine.
+
+    python benchmarks/bench_suite_cpu.py [--workers 2] [--tests tests] [--out results/suite_cpu.json]
+
+It runs the suite as ``make test`` does (pytest-xdist workers, the swarm lane) with this file as a
+pytest plugin. A test's CPU is what its worker process spent during the test plus what the
+processes it started and reaped spent (``RUSAGE_CHILDREN``): a volunteer, its DHT and averager
+processes, its p2p daemon. A module-scoped fixture's processes count where they are reaped, at
+the module's last test. Two figures bound the wall time:
+
+- the CPU floor, all tests' CPU over the machine's cores: no order of the tests beats it;
+- the swarm lane, the wall time of the tests marked ``swarm`` (they run one after another).
+
+To make the suite faster, cut the larger of the two: CPU (fewer swarm runs, fewer epochs, fewer
+peer processes) or the lane's wall time (shorter waits in its tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+OUT_ENV = "CROWDTRAIN_SUITE_CPU_OUT"
+
+
+def _cpu_s() -> tuple[float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Plugin side (``-p bench_suite_cpu``): one JSON line per test, set-up and teardown included."""
+    own0, children0 = _cpu_s()
+    start = time.time()
+    yield
+    own1, children1 = _cpu_s()
+    out = os.environ.get(OUT_ENV)
+    if out:
+        row = {"test": item.nodeid, "start": start, "wall_s": time.time() - start, "own_cpu_s": own1 - own0,
+               "children_cpu_s": children1 - children0, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+               "swarm": item.get_closest_marker("swarm") is not None}
+        with open(out, "a") as f:  # one short line per write: the workers' lines do not interleave
+            f.write(json.dumps(row) + "\n")
+
+
+def summarize(rows: list[dict], cores: int) -> dict:
+    """Per module and overall: tests, wall time, CPU; the CPU floor and the swarm lane's wall time."""
+    modules: dict[str, dict] = {}
+    for r in rows:
+        m = modules.setdefault(r["test"].split("::")[0], {"tests": 0, "wall_s": 0.0, "cpu_s": 0.0})
+        m["tests"] += 1
+        m["wall_s"] += r["wall_s"]
+        m["cpu_s"] += r["own_cpu_s"] + r["children_cpu_s"]
+    cpu = sum(m["cpu_s"] for m in modules.values())
+    span = (max(r["start"] + r["wall_s"] for r in rows) - min(r["start"] for r in rows)) if rows else 0.0
+    return {"tests": len(rows), "cores": cores, "span_s": span, "cpu_s": cpu, "cpu_floor_s": cpu / cores,
+            "swarm_lane_s": sum(r["wall_s"] for r in rows if r["swarm"]),
+            "swarm_lane_cpu_s": sum(r["own_cpu_s"] + r["children_cpu_s"] for r in rows if r["swarm"]),
+            "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1]["cpu_s"]))}
+
+
+def table(summary: dict, top: int = 15) -> str:
+    lines = [f"{'module':<44} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'CPU share':>9}"]
+    for name, m in list(summary["modules"].items())[:top]:
+        lines.append(f"{name:<44} {m['tests']:>5} {m['wall_s']:>8.1f} {m['cpu_s']:>8.1f} "
+                     f"{m['cpu_s'] / max(summary['cpu_s'], 1e-9):>9.1%}")
+    lines.append(f"{summary['tests']} tests in {summary['span_s']:.0f} s; CPU {summary['cpu_s']:.0f} s, a floor of "
+                 f"{summary['cpu_floor_s']:.0f} s on {summary['cores']} cores; the swarm lane "
+                 f"{summary['swarm_lane_s']:.0f} s of wall time ({summary['swarm_lane_cpu_s']:.0f} s of CPU)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers, as `make test` (0: one process)")
+    parser.add_argument("--tests", default="tests", help="what pytest runs (a folder, a file or a node id)")
+    parser.add_argument("--out", default=str(HERE / "results" / "suite_cpu.json"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = out.with_suffix(".jsonl")
+    lines.unlink(missing_ok=True)
+    env = {**os.environ, OUT_ENV: str(lines),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-n", str(args.workers), args.tests]
+    code = subprocess.run(command, env=env, check=False).returncode
+    rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
+    lines.unlink(missing_ok=True)
+    summary = {**summarize(rows, os.cpu_count() or 1), "pytest_exit_code": code, "workers": args.workers,
+               "per_test": rows}
+    print(table(summary))
+    out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {out}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
