@@ -30,8 +30,8 @@ def wait_until(check, timeout: float = 30.0):
         time.sleep(0.2)
 
 
-# One rerun: three averagers' processes on the suite's niced worker of a loaded 2-core machine
-# (a full suite failed here once: both newcomers passed over the donor for the older state); a
+# One rerun: three averagers' processes on the suite's niced worker of a loaded 2-core machine can
+# be starved past a newcomer's wait, which then passes over the donor for the older state; a
 # broken feature fails both runs.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(120)
