@@ -1,7 +1,8 @@
 """docs/organize-a-run.md with an organizer's own images (not the shapes set), by the command line
 alone: tokenizers trained from the images and captions, shards with the fit report, a
-coordinator given both tokenizers and its own sample prompts, two volunteers as real processes,
-the prompts on /samples and in the checkpoint's sample folder, and `crowdtrain generate`."""
+coordinator given both tokenizers, its own sample prompts and a time budget, two volunteers as
+real processes that train to the run's end, the prompts on /samples and in the checkpoint's
+sample folder, and `crowdtrain generate`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from PIL import Image
 
 from tests._data_helpers import stripes_items
-from crowdtrain.launch import LocalSwarm
+from crowdtrain.launch import LocalSwarm, cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -40,9 +41,10 @@ def image_folder(folder, num: int, seed: int):
 
 
 # In the swarm lane: its gallery needs the auxiliary peer to checkpoint while the volunteers
-# train, which a starved (nice 10) auxiliary peer beside a storm of newcomers did not.
+# train, which a starved (nice 10) auxiliary peer beside a storm of newcomers did not; and the
+# run is time-boxed (a starved run reaches fewer epochs).
 @pytest.mark.swarm
-def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
+def test_the_guide_with_own_images_by_the_command_line_alone_to_the_end_of_its_time_budget(tmp_path):
     images = image_folder(tmp_path / "my_images", 60, seed=3)
     valid = image_folder(tmp_path / "my_valid", 8, seed=4)
 
@@ -58,19 +60,23 @@ def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
     crowdtrain("data", "prepare", "--input", str(valid), "--out", str(shards), "--image-tokenizer", str(vq),
                "--split", "valid")
 
-    # Step 4: the coordinator with both tokenizers by flag and the organizer's own prompts.
+    # Step 4: the coordinator with both tokenizers by flag, the organizer's own prompts, and a
+    # time budget (30 s of training here): the run sizes its total once it has measured its pace.
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# the gallery\na blue checkerboard number 1\n[held-out] a green gradient number 2\n")
     swarm = LocalSwarm(tmp_path, preset="tiny", data=str(shards), samples_every=1,
-                       swarm={"target_batch_size": 64, "checkpoint_every_epochs": 2, "matchmaking_time_s": 2.0})
+                       swarm={"target_batch_size": 64, "checkpoint_every_epochs": 4, "matchmaking_time_s": 2.0})
+    del swarm.swarm["total_epochs"]  # the budget sizes it
     try:
         info = swarm.start_coordinator(extra=["--image-tokenizer", str(vq), "--text-tokenizer", str(text),
-                                              "--sample-prompts", str(prompts)])
+                                              "--sample-prompts", str(prompts), "--time-budget", "30s"])
         assert info["task"]["model"]["image_vocab_size"] == 512  # sized by the image tokenizer
+        assert info["schedule"]["total_epochs"] is None and info["schedule"]["time_budget_s"] == 30
         for name in ("alice", "bob"):
-            swarm.join(name, batch_size=8, max_epochs=5)
+            swarm.join(name, batch_size=8, max_epochs=500)
         for name in ("alice", "bob"):
             assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+        check_the_run_ended(swarm)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not list(swarm.run_dir.glob("samples/step-*/prompts.json")):
             time.sleep(1)
@@ -114,3 +120,36 @@ def test_the_guide_with_own_images_by_the_command_line_alone(tmp_path):
     said = crowdtrain("generate", "--checkpoint", str(checkpoint), "--prompts", str(prompts_file), "--num-samples",
                       "4", "--keep", "2", "--out", str(out))
     assert "2 rows, one per prompt" in said and np.asarray(Image.open(out)).shape[0] == 4 * (2 * 66 + 2)
+
+
+def check_the_run_ended(swarm: LocalSwarm) -> None:
+    """The end of a time-budget run: volunteers that joined while the total was unknown learned it
+    while they trained (no restart); at the total they waited for the final checkpoint and left
+    with the message and exit code 0; the run says it has finished and nobody trains; a
+    newcomer's `crowdtrain join` stops at once (exit 2)."""
+    status = swarm.status()
+    total = status["total_epochs"]
+    assert status["schedule"]["sized_at"] is not None and total > 3, status["schedule"]
+    # The first to train joined while the total was unknown (its first steps started the clock):
+    # it learned the total while it trained. (The other may have joined after it was sized.)
+    learned = f"the run's schedule changed: total_epochs being sized -> {total}"
+    assert any(learned in swarm.log(name) for name in ("alice", "bob")), swarm.log("alice")[-3000:]
+    for name in ("alice", "bob"):
+        log = swarm.log(name)
+        assert (f"the run reached its last epoch ({total} of {total}): thank you; the final model is at "
+                f"{swarm.url}/checkpoints") in log, log[-3000:]
+        assert swarm.summary(name)["final_epoch"] == total
+    # Their last metrics records live a minute in the DHT; they said they left, so nobody counts as training.
+    left = time.monotonic()
+    while status["active_peers"] and time.monotonic() - left < 10:
+        time.sleep(1)
+        status = swarm.status()
+    assert status["active_peers"] == 0 and status["epoch"] == total
+    assert status["finished"] and status["schedule"]["finished_epoch"] == total
+    assert status["last_checkpoint_epoch"] == total and (swarm.run_dir / "checkpoints" / f"step-{total:07d}").is_dir()
+    started = time.monotonic()
+    late = subprocess.run(cli("join", swarm.url, "--user", "carol"), capture_output=True, text=True, timeout=60,
+                          env=swarm.env)
+    assert late.returncode == 2 and f"the run reached its last epoch ({total} of {total})" in late.stderr, \
+        late.stderr[-2000:]
+    assert time.monotonic() - started < 30
