@@ -1,6 +1,7 @@
 """A run's schedule on the coordinator's side and a volunteer's: the finished state in the API and
 pages, live peers and the time to the end, a volunteer picking up an extension while it trains
-(the real service over HTTP, in this process), and one short real run that ends."""
+(the real service over HTTP, in this process). A real-process run to the end of its time budget
+is tests/test_own_data_run.py's (``check_the_run_ended``)."""
 
 from __future__ import annotations
 
