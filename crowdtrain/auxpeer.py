@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -42,7 +41,7 @@ import torch
 from crowdtrain.checkpoint import (best_checkpoint, checkpoint_name, flatten_optimizer_state, latest_checkpoint,
                                    load_optimizer_state, prune_checkpoints, save_checkpoint, unflatten_optimizer_state)
 from crowdtrain.coordinator.db import Store
-from crowdtrain.lifecycle import forks_die_with_this_process
+from crowdtrain.lifecycle import forks_die_with_this_process, on_signals
 from crowdtrain.model.config import DEFAULT_TOP_K, DEFAULT_TOP_P, ModelConfig
 from crowdtrain.model.info import architecture_fingerprint
 from crowdtrain.optim import param_groups
@@ -560,15 +559,16 @@ def main(argv: list[str] | None = None) -> int:
     forks_die_with_this_process()  # the DHT and averager processes, even if this one is killed
     peer = AuxPeer(run_dir)
 
-    def stop(*_):
+    def stop(signum: int) -> None:
         # Leave at the next loop turn; if a long call (a state download) blocks it, go anyway.
+        if peer.stop.is_set():
+            return  # the first signal's deadline runs
         peer.stop.set()
         deadline = threading.Timer(20.0, lambda: os._exit(0))
         deadline.daemon = True  # a clean stop exits at once, without waiting for it
         deadline.start()
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+    on_signals(stop)  # not in the handler itself: it sets an event the main loop waits on
     try:
         peer.run()
     finally:

@@ -83,3 +83,41 @@ def exit_on_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_system_exit)
         hangup_as_terminate()
+
+
+def on_signals(callback, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> None:
+    """Run ``callback(signum)`` for each of ``signals``, in a helper thread, not in the handler.
+
+    A Python signal handler runs in the main thread between two of its bytecodes, so one that
+    takes a lock (``threading.Event.set`` does) deadlocks when the main thread already holds it:
+    inside ``Event.wait`` on that event, or inside the same handler, interrupted by a second
+    signal. An auxiliary peer whose coordinator was killed got its parent-death SIGTERM and its
+    process group's SIGTERM at once and hung for good, holding the run's DHT port. Here the
+    handler only writes the signal's number to a pipe (no lock); the helper thread reads it and
+    calls ``callback``, which may take locks and start threads. Call from the main thread."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    owner = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != owner:
+            # A fork (hivemind's DHT and averagers) inherited this handler but not the helper
+            # thread. Ctrl-C reaches the whole process group: the fork ignores it and is shut
+            # down by its parent; any other signal ends it.
+            if signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        try:
+            os.write(write_end, bytes([signum]))
+        except OSError:  # the pipe is full: enough signals are already on their way
+            pass
+
+    def pump():
+        while True:
+            for signum in os.read(read_end, 64):
+                callback(signum)
+
+    threading.Thread(target=pump, name="signals", daemon=True).start()
+    for sig in signals:
+        signal.signal(sig, handler)
