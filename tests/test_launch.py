@@ -81,7 +81,9 @@ def test_a_storm_of_signals_stops_a_process_waiting_on_the_event_it_sets_without
             for _ in range(300):
                 os.kill(proc.pid, signal.SIGTERM)
             out, _ = proc.communicate(timeout=10)
-            assert proc.returncode == 0 and "stopped" in out, (proc.returncode, out)
+            # Its main loop ended. (Signals still on their way can end it by SIGTERM while Python
+            # shuts down, which restores the default handlers: not a hang.)
+            assert "stopped" in out, (proc.returncode, out)
         except subprocess.TimeoutExpired:
             hung.append(attempt)
         finally:
