@@ -13,6 +13,9 @@ Two mechanisms, both Linux's (elsewhere they do nothing and a stop relies on the
 - the hard path: ``PR_SET_PDEATHSIG`` makes the kernel send SIGTERM to a child when the thread
   that forked it dies, even by SIGKILL (``die_with_parent`` for ``subprocess``,
   ``forks_die_with_this_process`` for ``multiprocessing``'s forks).
+
+A handler that stops a loop through a lock (``threading.Event.set``) goes through
+``on_signals``, so that a second signal cannot deadlock it.
 """
 
 from __future__ import annotations
@@ -91,8 +94,8 @@ def on_signals(callback, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     A Python signal handler runs in the main thread between two of its bytecodes, so one that
     takes a lock (``threading.Event.set`` does) deadlocks when the main thread already holds it:
     inside ``Event.wait`` on that event, or inside the same handler, interrupted by a second
-    signal. An auxiliary peer whose coordinator was killed got its parent-death SIGTERM and its
-    process group's SIGTERM at once and hung for good, holding the run's DHT port. Here the
+    signal. Two signals at once are common (a parent-death SIGTERM and the process group's), and
+    a process hung that way keeps its ports for good. Here the
     handler only writes the signal's number to a pipe (no lock); the helper thread reads it and
     calls ``callback``, which may take locks and start threads. Call from the main thread."""
     read_end, write_end = os.pipe()
