@@ -88,7 +88,8 @@ def exit_on_signals() -> None:
         hangup_as_terminate()
 
 
-def on_signals(callback, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> None:
+def on_signals(callback, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP), *,
+               ctrl_c_again_quits: bool = False) -> None:
     """Run ``callback(signum)`` for each of ``signals``, in a helper thread, not in the handler.
 
     A Python signal handler runs in the main thread between two of its bytecodes, so one that
@@ -97,12 +98,20 @@ def on_signals(callback, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     signal. Two signals at once are common (a parent-death SIGTERM and the process group's), and
     a process hung that way keeps its ports for good. Here the
     handler only writes the signal's number to a pipe (no lock); the helper thread reads it and
-    calls ``callback``, which may take locks and start threads. Call from the main thread."""
+    calls ``callback``, which may take locks and start threads. Call from the main thread.
+
+    ``ctrl_c_again_quits``: once any of ``signals`` has arrived, a SIGINT raises
+    ``KeyboardInterrupt`` in the main thread from the handler itself (a raise takes no lock), for
+    a user who will not wait for the clean stop the first one began. A repeated SIGTERM or
+    SIGHUP only reaches ``callback`` again: two of them at once are a parent's death and its
+    process group's stop, not a user in a hurry."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     owner = os.getpid()
+    arrived = False
 
     def handler(signum, frame):
+        nonlocal arrived
         if os.getpid() != owner:
             # A fork (hivemind's DHT and averagers) inherited this handler but not the helper
             # thread. Ctrl-C reaches the whole process group: the fork ignores it and is shut
@@ -111,6 +120,9 @@ def on_signals(callback, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             return
+        if ctrl_c_again_quits and arrived and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        arrived = True
         try:
             os.write(write_end, bytes([signum]))
         except OSError:  # the pipe is full: enough signals are already on their way

@@ -90,3 +90,41 @@ def test_a_storm_of_signals_stops_a_process_waiting_on_the_event_it_sets_without
             proc.kill()
             proc.wait()
     assert not hung, f"hung in attempts {hung} of 20"
+
+
+VOLUNTEER_LEAVING = """
+import signal, threading, time
+from crowdtrain.swarm.peer import _leave_on_signals
+
+stop = threading.Event()
+_leave_on_signals(stop)
+print("ready", flush=True)
+while not stop.is_set():
+    stop.wait(0.0005)
+print("leaving", flush=True)
+try:
+    time.sleep(60)  # the clean leave, which only a Ctrl-C cuts short
+    print("left", flush=True)
+except KeyboardInterrupt:
+    print("quit", flush=True)
+"""
+
+
+def test_a_volunteer_leaves_cleanly_on_a_storm_of_sigterms_and_quits_at_once_on_ctrl_c_again():
+    """The volunteer's handler goes through on_signals (the storm above), and only a Ctrl-C cuts
+    its clean leave short."""
+    proc = subprocess.Popen([sys.executable, "-c", VOLUNTEER_LEAVING], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for _ in range(300):
+            os.kill(proc.pid, signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "leaving"
+        os.kill(proc.pid, signal.SIGTERM)  # a parent's death and its process group's stop
+        time.sleep(0.5)
+        assert proc.poll() is None, "a second SIGTERM cut the clean leave short"
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=10)
+        assert out.strip() == "quit", (proc.returncode, out)
+    finally:
+        proc.kill()
+        proc.wait()

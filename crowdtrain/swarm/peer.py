@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from crowdtrain.lifecycle import on_signals
 from crowdtrain.optim.loss_scale import LossScale
 from crowdtrain.swarm.rounds import RoundSummary
 from crowdtrain.swarm.volunteer_config import VolunteerConfig
@@ -74,30 +75,19 @@ def children_ignore_sigint():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-class _Stop:
-    """Set by SIGINT/SIGTERM/SIGHUP: the loop finishes its step and leaves cleanly."""
+def _leave_on_signals(event: threading.Event) -> None:
+    """SIGINT, SIGTERM and SIGHUP set ``event``: the loop finishes its step and leaves cleanly;
+    Ctrl-C again quits at once. Only the main thread can take signals: elsewhere (tests call
+    run_volunteer in a thread) the caller's own ``stop`` event is the way to stop."""
+    if threading.current_thread() is not threading.main_thread():
+        return
 
-    def __init__(self, event: threading.Event):
-        self.event = event
-        self.owner = os.getpid()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            try:
-                signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (tests call run_volunteer in a thread)
-                pass
+    def leave(signum):
+        if not event.is_set():
+            logger.info("leaving the swarm after this step (press Ctrl-C again to quit at once)")
+            event.set()
 
-    def _handle(self, signum, frame):
-        if os.getpid() != self.owner:
-            # A forked hivemind process inherited this handler. Ctrl-C reaches the whole process
-            # group: children ignore it and are shut down by the parent; SIGTERM ends them.
-            if signum != signal.SIGINT:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-            return
-        if self.event.is_set():
-            raise KeyboardInterrupt
-        logger.info("leaving the swarm after this step (press Ctrl-C again to quit at once)")
-        self.event.set()
+    on_signals(leave, ctrl_c_again_quits=True)
 
 
 def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, info: dict | None = None) -> dict:
@@ -207,7 +197,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
     if stop is None:
         # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
         # when they start (and never restore it), which would make Ctrl-C do nothing.
-        _Stop(stop_event)
+        _leave_on_signals(stop_event)
     summary = {"peer_id": peer_id, "user": user, "config": asdict(config), "fingerprint": info["fingerprint"],
                "maddrs": maddrs,
                "epochs": [], "rounds": []}
