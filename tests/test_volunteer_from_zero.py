@@ -48,9 +48,15 @@ def python_with_torch(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, python_with_torch):
+    from crowdtrain.data import ensure_demo_shards
+
     tmp = tmp_path_factory.mktemp("zero")
-    # A run that goes on while the module runs; a checkpoint every 2 epochs for the drawing notebook.
-    swarm = LocalSwarm(tmp, data="shapes", swarm={"total_epochs": 100_000, "checkpoint_every_epochs": 2})
+    # The bundled shapes, 2,000 of them: `--data shapes` makes 50,000 once per machine (minutes on
+    # a fresh 2-core one, past the coordinator's start-up wait), and a few minutes of training
+    # see fewer. A run that goes on while the module runs; a checkpoint every 2 epochs for the
+    # drawing notebook.
+    shards = ensure_demo_shards(tmp / "shapes", num_train=2000)
+    swarm = LocalSwarm(tmp, data=str(shards), swarm={"total_epochs": 100_000, "checkpoint_every_epochs": 2})
     swarm.start_coordinator()
     # At a slow device's pace (steps padded to 0.25 s): the run lasts the whole module, and at full
     # speed its peer would take half a core from the fresh volunteer and the notebooks' kernels.
