@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         tmp = Path(d)
         swarm = LocalSwarm(tmp, data="shapes", swarm={"total_epochs": 100_000})
         try:
-            swarm.start_coordinator()
+            swarm.start_coordinator(timeout=900)  # a fresh machine makes the 50,000 shapes first (minutes)
             swarm.join("first", batch_size=8, max_epochs=100_000)
             install = get_json(f"{swarm.url}/api/version")["install"]
             if not args.no_baseline:
