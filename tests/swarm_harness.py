@@ -1,5 +1,6 @@
 """What the swarm tests check on a finished run of real processes (started by
-``crowdtrain.launch.LocalSwarm``): the ledger identity, a newcomer storm's figures, log noise."""
+``crowdtrain.launch.LocalSwarm``): the ledger identity, a fresh run's first rounds, a newcomer
+storm's figures, log noise."""
 
 from __future__ import annotations
 
@@ -47,6 +48,29 @@ def check_ledger(swarm: LocalSwarm, summaries: dict[str, dict], timeout: float =
     print(f"ledger: {expected} credited, as on the leaderboard; {checked} of {len(by_epoch)} rounds' weights "
           "checked against their reducers'")
     return board
+
+
+def fresh_start_failures(summaries: dict[str, dict], *, rounds: int) -> list:
+    """What went wrong in the first ``rounds`` rounds of peers that joined a new run together;
+    empty for a clean start. The stall this guards against: every peer's first round failed with
+    "could not find a group", then each waited 30 s for a state nobody had, so an epoch took a
+    minute instead of seconds. Peers up from the start (joined at epoch 0: on a busy machine a
+    process can take longer to start than the first epoch lasts, and join at the second) built
+    the run's initial model, with no download, and all met in the first round; no peer was alone
+    in its first ``rounds`` rounds (a peer starved of CPU may miss part of a round and catch up by
+    downloading the state)."""
+    starters = [name for name, s in summaries.items() if s["joined_epoch"] == 0]
+    failures = []
+    if not starters:
+        failures.append(("no peer joined at epoch 0", {n: s["joined_epoch"] for n, s in summaries.items()}))
+    for name, s in summaries.items():
+        groups = [r["group_size"] for r in s["rounds"]][:rounds]
+        first_in_full = s["joined_epoch"] > 0 or (groups and groups[0] == len(starters))
+        if not groups or min(groups) < 2 or not first_in_full:
+            failures.append((name, groups, f"{len(starters)} started together"))
+        if s["joined_epoch"] == 0 and not s.get("state_download_skipped"):
+            failures.append((name, "downloaded a state instead of building the initial model"))
+    return failures
 
 
 def newcomer_storm(tmp: Path, *, newcomers: int = 4, base_peers: int = 3, mode: str = "sync",

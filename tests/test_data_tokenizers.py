@@ -71,6 +71,22 @@ def test_an_interrupted_tokenizer_training_continues_where_it_stopped_and_ends_t
     assert not resume.exists()  # removed once finished
 
 
+def test_ctrl_c_stops_a_tokenizer_training_after_its_step_and_keeps_its_state(tmp_path):
+    import os
+    import signal
+    import threading
+
+    from crowdtrain.data.vq_train import TrainingInterrupted
+
+    images, _ = _images(48)
+    resume = tmp_path / "vq.safetensors.resume.safetensors"
+    before = signal.getsignal(signal.SIGINT)
+    threading.Timer(1.0, lambda: [os.kill(os.getpid(), signal.SIGINT) for _ in range(2)]).start()
+    with pytest.raises(TrainingInterrupted, match=r"stopped at step \d+ of 100000"):
+        train_vq(images, VQTrainConfig(steps=100_000, batch_size=8, seed=0), progress=False, resume_path=resume)
+    assert resume.is_file() and signal.getsignal(signal.SIGINT) is before
+
+
 def test_tokenizer_train_cli_reproduces_file(tmp_path):
     from crowdtrain.cli import main
 

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from crowdtrain.train import demo
+from tests.swarm_harness import fresh_start_failures
 
 
 def test_the_schedule_ends_when_the_minutes_do_and_a_resumed_run_gets_a_fresh_one(monkeypatch):
@@ -54,3 +55,7 @@ def test_a_short_demo_trains_in_diloco_mode_and_reports_held_out_loss_and_adhere
     # minute; the bound is 5.7).
     assert math.isfinite(written["valid_loss"]) and written["valid_loss"] < 0.8 * math.log(1280)
     assert 0.0 <= written["adherence_seen"] <= 1.0 and 0.0 <= written["adherence_heldout"] <= 1.0
+    # A fresh two-peer run starts cleanly: both met in their first rounds, from the run's initial
+    # model (a stalled start takes a minute an epoch, and 30 s hold less than one).
+    peers = {name: json.loads((out / f"{name}.json").read_text()) for name in ("peer1", "peer2")}
+    assert not fresh_start_failures(peers, rounds=2), fresh_start_failures(peers, rounds=2)

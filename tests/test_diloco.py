@@ -9,7 +9,7 @@ from crowdtrain.model import DalleTransformer, get_preset
 from crowdtrain.optim import param_groups
 from crowdtrain.swarm.diloco import params_digest
 from crowdtrain.train.validate import pattern_loss
-from tests.swarm_harness import check_ledger
+from tests.swarm_harness import check_ledger, fresh_start_failures
 
 
 def digest_of(path) -> str:
@@ -77,6 +77,11 @@ def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_
     newcomer = summaries["newcomer"]
     assert newcomer["joined_epoch"] >= 1 and newcomer["samples"] > 0 and not newcomer.get("state_download_skipped")
     assert all(s.get("state_download_skipped") for s in summaries.values() if s["joined_epoch"] == 0), summaries
+    # A fresh three-peer run starts cleanly: the peers that joined together met in full in their
+    # first round (the newcomer's arrival can split a later one), and the coordinator heard of it.
+    starters = {n: summaries[n] for n in ("a", "b", "slow")}
+    assert not fresh_start_failures(starters, rounds=1), fresh_start_failures(starters, rounds=1)
+    assert swarm.status()["rounds"].get("rounds", 0) >= 1, swarm.status()["rounds"]
     shared = [r["epoch"] for r in newcomer["rounds"]
               if r["group_size"] >= 3 and not r["diverged"] and not r.get("overtaken")]
     assert shared and all(by_epoch[e]["newcomer"] == by_epoch[e]["a"] for e in shared if "a" in by_epoch[e])

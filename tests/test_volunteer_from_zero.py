@@ -121,17 +121,23 @@ def test_a_volunteer_of_another_protocol_stops_at_once_with_the_install_line(swa
     assert any("another protocol" in p for p in get_json(f"{swarm.url}/api/status")["problems"])
 
 
-def _kernel(fresh, tmp_path, monkeypatch) -> str:
-    """A Jupyter kernel running the fresh environment's Python (ipykernel installed into it, as a
-    notebook server has one)."""
+@pytest.fixture(scope="module")
+def jupyter_path(fresh, tmp_path_factory) -> Path:
+    """A folder for ``JUPYTER_PATH`` with one kernel, "fresh": the fresh environment's Python
+    (ipykernel installed into it once, as a notebook server has one)."""
     bench._run([str(fresh["venv"] / "bin" / "python"), "-m", "pip", "install", "--quiet", "ipykernel"],
                fresh["venv"], 600)
-    spec = tmp_path / "jupyter" / "kernels" / "fresh"
+    path = tmp_path_factory.mktemp("jupyter")
+    spec = path / "kernels" / "fresh"
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [str(fresh["venv"] / "bin" / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "fresh volunteer", "language": "python", "env": {"PYTHONPATH": ""}}))
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    return path
+
+
+def _kernel(jupyter_path: Path, monkeypatch) -> str:
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
     return "fresh"
 
 
@@ -151,11 +157,11 @@ def _outputs(cell) -> str:
     return "\n".join(o.get("text", "") or json.dumps(o.get("data", {})) for o in cell.outputs)
 
 
-def test_the_join_notebook_trains_on_a_real_kernel_and_leaves_cleanly_when_interrupted(swarm, fresh, tmp_path,
-                                                                                   monkeypatch):
+def test_the_join_notebook_trains_on_a_real_kernel_and_leaves_cleanly_when_interrupted(swarm, fresh, jupyter_path,
+                                                                                   tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
-    kernel = _kernel(fresh, tmp_path, monkeypatch)
+    kernel = _kernel(jupyter_path, monkeypatch)
     notebook = _notebook(swarm, "/join.ipynb", {"USER": "notebook", "MINUTES": 4})
     client = NotebookClient(notebook, kernel_name=kernel, timeout=400, allow_errors=False)
     credited = threading.Event()
@@ -186,14 +192,14 @@ def test_the_join_notebook_trains_on_a_real_kernel_and_leaves_cleanly_when_inter
     assert contributed and int(contributed[0].split()[2]) > 0, train[-2000:]
 
 
-def test_the_generate_notebook_draws_the_runs_prompts_from_the_latest_checkpoint(swarm, fresh, tmp_path,
+def test_the_generate_notebook_draws_the_runs_prompts_from_the_latest_checkpoint(swarm, jupyter_path, tmp_path,
                                                                                monkeypatch):
     from nbclient import NotebookClient
 
     deadline = time.monotonic() + 120
     while not get_json(f"{swarm.url}/api/checkpoints") and time.monotonic() < deadline:
         time.sleep(2)
-    kernel = _kernel(fresh, tmp_path, monkeypatch)
+    kernel = _kernel(jupyter_path, monkeypatch)
     notebook = _notebook(swarm, "/generate.ipynb", {"SAMPLES": 2, "KEEP": 1})
     NotebookClient(notebook, kernel_name=kernel, timeout=400, allow_errors=False).execute(cwd=str(tmp_path))
     last = [c for c in notebook.cells if c.cell_type == "code"][-1]

@@ -159,12 +159,18 @@ def train_vq(images: np.ndarray, config: VQTrainConfig, *, progress: bool = True
     if resume_path is not None and resume_path.is_file():
         start = _load_resume(resume_path, config, len(images), model, opt, sched, gen)
         logger.info("continuing the interrupted training in %s from step %d of %d", resume_path, start, config.steps)
-    # A signal ends the loop after the step in progress, so what is saved is one whole step.
-    stop = threading.Event()
+    # A signal ends the loop after the step in progress, so what is saved is one whole step. The
+    # handler only sets a flag: one that took a lock (threading.Event.set) would deadlock when a
+    # second signal arrives inside it (crowdtrain.lifecycle.on_signals says more).
+    stop = {"requested": False}
+
+    def request_stop(signum, frame):
+        stop["requested"] = True
+
     previous = {}
     if resume_path is not None and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+            previous[sig] = signal.signal(sig, request_stop)
     model.train()
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc="train vq", unit="step",
                disable=not progress)
@@ -186,11 +192,11 @@ def train_vq(images: np.ndarray, config: VQTrainConfig, *, progress: bool = True
                 bar.set_postfix(err=f"{rec_loss.item() * 127.5:.1f}/255", commit=f"{commit.item():.4f}")
             done = step + 1
             if stop_after_steps is not None and done - start >= stop_after_steps:
-                stop.set()
-            if resume_path is not None and (stop.is_set() or time.monotonic() - last_save > save_every_s):
+                stop["requested"] = True
+            if resume_path is not None and (stop["requested"] or time.monotonic() - last_save > save_every_s):
                 _save_resume(resume_path, config, len(images), done, model, opt, sched, gen)
                 last_save = time.monotonic()
-            if stop.is_set() and done < config.steps:
+            if stop["requested"] and done < config.steps:
                 bar.close()
                 raise TrainingInterrupted(f"stopped at step {done} of {config.steps}; the state is in {resume_path}: "
                                           "run the same command again to continue")
