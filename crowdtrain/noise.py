@@ -62,10 +62,16 @@ class _DropHivemindTaskReports(logging.Filter):
       group had formed: hivemind checks for cancellation only while matchmaking, so the all-reduce
       runs to its end and then fails to hand over a result nobody waits for ("Can't set_result to
       a future that is CANCELLED"). The groupmates got their parts; this peer downloads the state.
+    - An averaging step's own tasks garbage-collected while pending (hivemind's ``_step``, its
+      cancellation watcher and its matchmaking; seen right after hivemind cancelled a pre-scheduled
+      state round whose group had formed). The trainer follows every step through its control,
+      not through these tasks: a step that vanished ends as a failed round at its timeout, which
+      the round log and the dashboard show.
     """
 
     # (how the report starts, what its error or text says, where the task ran: None for anywhere)
     SYMPTOMS = (("Task was destroyed but it is pending", None, "hivemind/p2p/"),
+                ("Task was destroyed but it is pending", None, "hivemind/averaging/"),
                 ("Unhandled exception in client_connected_cb", "cannot reuse already awaited coroutine", None),
                 ("Task exception was never retrieved", "aclose(): asynchronous generator is already running", None),
                 ("Task exception was never retrieved", "Can't set_result to a future that is CANCELLED",

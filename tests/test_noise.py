@@ -62,6 +62,17 @@ def test_a_cancelled_averaging_step_that_finished_anyway_is_not_reported_and_oth
     assert _reported(failed, caplog), "another failure of hivemind's averaging step is reported"
 
 
+def test_a_lost_averaging_step_is_not_reported(caplog):
+    drop_known_noise()
+    site = "/venv/lib/python3.11/site-packages/hivemind/averaging/"
+    for where in (f"DecentralizedAverager._step() running at {site}averager.py:441",
+                  f"StepControl.wait_for_cancel() running at {site}control.py:165",
+                  f"DecentralizedAverager._step.<locals>.find_peers_or_notify_cancel() running at {site}averager.py:431"):
+        assert _reported({"message": "Task was destroyed but it is pending!", "task": _Task(where)}, caplog) == [], where
+    ours = _Task("DiLoCoOptimizer._outer_round() running at /work/crowdtrain/swarm/diloco.py:600")
+    assert _reported({"message": "Task was destroyed but it is pending!", "task": ours}, caplog)
+
+
 def _request_from(exits_first: bool):
     """A request sent to this process as a peer's process sends one to its DHT process: pickled
     with its reply pipe, which the receiver fetches from the sender's resource-sharing socket."""
