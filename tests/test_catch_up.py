@@ -433,6 +433,22 @@ def test_a_lost_round_stays_lost_until_a_download_brings_a_state():
     assert not catch_up.off_step, "a plain catch-up that failed loses nothing"
 
 
+def _in_round(stats: dict):
+    """A sync-mode optimizer at epoch 5 in a four-peer swarm, with only what a gradient round
+    reads (``stats``: the gradient averager's wire counters); and its state averager."""
+    averager = SimpleNamespace(state_sharing_priority=5)
+    opt = SwarmOptimizer.__new__(SwarmOptimizer)
+    opt.hivemind = SimpleNamespace(
+        delay_grad_averaging=True, local_epoch=5, state_averager=SimpleNamespace(local_epoch=5),
+        tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=4)),
+        grad_averager=SimpleNamespace(wire_stats=SimpleNamespace(snapshot=lambda: dict(stats))),
+        next_chunk_timeout=7.5, matchmaking_time=3.0)
+    opt.catch_up, opt.signer, opt.rounds, opt.ledger = CatchUp(), object(), RoundLog(), swarm_metrics.Ledger()
+    opt.hivemind.dht, opt.hivemind.run_id = None, "run"
+    opt.offer = StateOffer(averager, client_mode=False)
+    return opt, averager
+
+
 @pytest.mark.parametrize("absent", [False, True])
 def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absent, monkeypatch):
     # A groupmate that failed mid-round may have returned the whole average to the others: wait
@@ -451,16 +467,7 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
         stats["elements_missing"] += 100
         stats["rounds_missing_a_slice"] += int(absent)
 
-    averager = SimpleNamespace(state_sharing_priority=5)
-    opt = SwarmOptimizer.__new__(SwarmOptimizer)
-    opt.hivemind = SimpleNamespace(
-        delay_grad_averaging=True, local_epoch=5, state_averager=SimpleNamespace(local_epoch=5),
-        tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=4)),
-        grad_averager=SimpleNamespace(wire_stats=SimpleNamespace(snapshot=lambda: dict(stats))),
-        next_chunk_timeout=7.5, matchmaking_time=3.0)
-    opt.catch_up, opt.signer, opt.rounds, opt.ledger = CatchUp(), object(), RoundLog(), swarm_metrics.Ledger()
-    opt.hivemind.dht, opt.hivemind.run_id = None, "run"
-    opt.offer = StateOffer(averager, client_mode=False)
+    opt, averager = _in_round(stats)
     opt._wait_for_allreduce_start = lambda control, epoch: (time.time(), False)
     opt._others_finished = lambda epoch: False
     control = SimpleNamespace(done=lambda: True, cancelled=lambda: False, result=lambda timeout: [1, 2, 3, 4],
@@ -486,16 +493,7 @@ def test_a_left_out_round_that_finds_a_group_in_its_grace_goes_in_at_zero_weight
     monkeypatch.setattr(swarm_metrics, "publish_round",
                         lambda dht, run_id, signer, *, epoch, group_size: published.append((epoch, group_size)))
     stats = {"weight_averaged": 0, "elements_missing": 0, "rounds_missing_a_slice": 0}
-    averager = SimpleNamespace(state_sharing_priority=5)
-    opt = SwarmOptimizer.__new__(SwarmOptimizer)
-    opt.hivemind = SimpleNamespace(
-        delay_grad_averaging=True, local_epoch=5, state_averager=SimpleNamespace(local_epoch=5),
-        tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=4)),
-        grad_averager=SimpleNamespace(wire_stats=SimpleNamespace(snapshot=lambda: dict(stats))),
-        next_chunk_timeout=7.5, matchmaking_time=3.0)
-    opt.catch_up, opt.signer, opt.rounds, opt.ledger = CatchUp(), object(), RoundLog(), swarm_metrics.Ledger()
-    opt.hivemind.dht, opt.hivemind.run_id = None, "run"
-    opt.offer = StateOffer(averager, client_mode=False)
+    opt, averager = _in_round(stats)
     opt.join_grace_s = 2.0
     opt._wait_for_allreduce_start = lambda control, epoch: (None, True)
     opt._others_finished = lambda epoch: True
