@@ -63,7 +63,7 @@ def _optimizer(outcomes, global_epoch, give_up_s, swarm_epochs=()):
                               report_local_progress=lambda **kw: None, dht=_DHT(swarm_epochs),
                               training_progress_key="run_progress")
     opt = _Optimizer(scheduled_grads=None, state_averager=averager, grad_averager=None, tracker=tracker,
-                     load_state_timeout=1.0, averaging_timeout=30.0, join_grace_s=1.0, give_up_s=give_up_s, catch_up=CatchUp(), client_mode=True,
+                     load_state_timeout=1.0, averaging_timeout=30.0, give_up_s=give_up_s, catch_up=CatchUp(), client_mode=True,
                      use_gradient_averaging=False, offer=StateOffer(averager, client_mode=True),
                      _others_finished=lambda epoch: True)
     return opt, averager
@@ -174,13 +174,10 @@ def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state
     opt.client_mode = False
     opt.catch_up.lose(4)
     opt.offer = StateOffer(averager, client_mode=False)
-    # The next round, scheduled ahead, has no group yet: cancelled after its grace at weight 0,
-    # not waited for (hivemind tags along with zero weight and blocks until that round ends,
-    # maybe an epoch away).
+    # The next round, scheduled ahead, has no group yet: cancelled, not waited for (hivemind
+    # tags along with zero weight and blocks until that round ends, maybe an epoch away).
     cancelled = []
-    opt.join_grace_s = 0.1
     opt.scheduled_grads = SimpleNamespace(done=lambda: False, triggered=False, stage=AveragingStage.LOOKING_FOR_GROUP,
-                                          weight=16, allow_allreduce=lambda: None,
                                           cancel=lambda: cancelled.append(True))
     monkeypatch.setattr("crowdtrain.swarm.rounds.tag_along",
                         lambda control, timeout: pytest.fail("waited for a round with no group yet"))
@@ -484,43 +481,3 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
         assert opt.catch_up.partial_epoch == 4 and averager.state_sharing_priority < 5
         assert published == [], "a partial average is not reported as a finished round"
 
-
-def test_a_left_out_round_that_finds_a_group_in_its_grace_goes_in_at_zero_weight_and_still_downloads(monkeypatch):
-    # The swarm finished epoch 4's round without us; our round, still looking, is put in a group
-    # as we give up (the others' next round): it runs at weight 0 rather than being cancelled
-    # under them (which held the group for its next-chunk timeout), and we still download.
-    published = []
-    monkeypatch.setattr(swarm_metrics, "publish_round",
-                        lambda dht, run_id, signer, *, epoch, group_size: published.append((epoch, group_size)))
-    stats = {"weight_averaged": 0, "elements_missing": 0, "rounds_missing_a_slice": 0}
-    opt, averager = _in_round(stats)
-    opt.join_grace_s = 2.0
-    opt._wait_for_allreduce_start = lambda control, epoch: (None, True)
-    opt._others_finished = lambda epoch: True
-    grouped_at = time.monotonic() + 0.1
-
-    class Control:
-        triggered, weight, cancelled_ = True, 16.0, False
-
-        @property
-        def stage(self):
-            return AveragingStage.RUNNING_ALLREDUCE if time.monotonic() >= grouped_at else AveragingStage.LOOKING_FOR_GROUP
-
-        def done(self):
-            return self.cancelled_ or time.monotonic() >= grouped_at
-
-        def cancelled(self):
-            return self.cancelled_
-
-        def cancel(self):
-            self.cancelled_ = True
-
-        def result(self, timeout):
-            return [1, 2, 3, 4]
-
-    control = Control()
-    opt.around_gradient_round(control, upstream=lambda: None)
-    assert not control.cancelled_ and control.weight == 0, "in the group at weight 0, not cancelled under it"
-    last = opt.rounds.last()
-    assert last.left_out and not last.credited and opt.catch_up.lost_epoch == 4, "still downloads their state"
-    assert published == [], "no round record for a round we only tagged along"

@@ -474,7 +474,7 @@ class DiLoCoOptimizer:
             time.sleep(grace)
         if self.pending is not None:
             self._drop_pending()
-        release_scheduled(self.scheduled, self.config.averaging_timeout_s, grace=self.config.request_timeout_s)
+        release_scheduled(self.scheduled, self.config.averaging_timeout_s)
         self.tracker.shutdown(5)
         self.averager.shutdown()
 

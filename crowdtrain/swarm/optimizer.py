@@ -30,8 +30,8 @@ from crowdtrain.swarm.hivemind_seam import check_hivemind_version
 from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam, RoundHooks
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import make_aggregator
-from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, cancel_unless_grouped,
-                                     peers_behind, release_scheduled, swarm_epoch_now)
+from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, peers_behind,
+                                     release_scheduled, swarm_epoch_now)
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +160,8 @@ class SwarmOptimizer(RoundHooks):
 
     def __init__(self, *, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
                  signer: RSASignatureValidator | None = None, final_epoch: int | None = None,
-                 state_uploads: dict | None = None, join_grace_s: float = 1.0, **hivemind_kwargs):
+                 state_uploads: dict | None = None, **hivemind_kwargs):
         self.give_up_s = give_up_s
-        # How long a round about to be cancelled may take to show that a group formed with it
-        # (crowdtrain.swarm.rounds.cancel_unless_grouped): one matchmaking request.
-        self.join_grace_s = join_grace_s
         self.rounds = RoundLog()
         self.catch_up = CatchUp()
         self.signer = signer
@@ -273,9 +270,7 @@ class SwarmOptimizer(RoundHooks):
             logger.warning("the swarm finished epoch %d's round without this peer; it will download their state",
                            epoch)
             self._demote_state()
-            # A group now forming with it is the swarm's next round: our part goes in at weight 0
-            # (they do not wait for it), and this peer still downloads their state.
-            cancel_unless_grouped(maybe_step_control, self.join_grace_s)
+            maybe_step_control.cancel()
         upstream()
         # A groupmate that failed mid-round never sent us its part of the average: we kept our own
         # gradients there, so our step differs from the group's (by up to one update in those
@@ -292,7 +287,7 @@ class SwarmOptimizer(RoundHooks):
                 group_size = len(maybe_step_control.result(0))
             except BaseException:  # the round failed: this peer used its local gradients
                 group_size = 1
-        if group_size >= 2 and not left_out and (not partial or nobody_whole):
+        if group_size >= 2 and (not partial or nobody_whole):
             if nobody_whole:
                 logger.info("epoch %d's round missed a groupmate's slice for every member; "
                             "no member holds a better state", epoch)
@@ -383,7 +378,7 @@ class SwarmOptimizer(RoundHooks):
         stays behind after downloading, gives up after ``give_up_s`` with
         :class:`StateUnavailable`, which ``crowdtrain join`` reports."""
         # hivemind tags along a round scheduled ahead even when no group waits on it yet.
-        release_scheduled(self.scheduled_grads, self.averaging_timeout, grace=self.join_grace_s)
+        release_scheduled(self.scheduled_grads, self.averaging_timeout)
         self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         lost = self.catch_up.start_download()
@@ -511,7 +506,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
         access_guard=access_guard, give_up_s=config.load_state_give_up_s, signer=signer, final_epoch=final_epoch,
-        state_uploads=uploads, join_grace_s=config.request_timeout_s,
+        state_uploads=uploads,
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
         optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),

@@ -183,40 +183,16 @@ class LeftOutWatch:
         return self.control.stage == AveragingStage.LOOKING_FOR_GROUP and bool(self.went_on())
 
 
-def cancel_unless_grouped(control, grace: float) -> bool:
-    """Cancel a round still looking for a group, unless a group forms with it within ``grace``
-    seconds; True if it was cancelled. Its weight goes to 0 and it may start its all-reduce
-    first: the stage read here lags the averager's by up to a leader's answer, and a round
-    cancelled just as its group formed leaves every member waiting for our part until the
-    next-chunk timeout, and then without it (seen: a newcomer's download cancelling its next
-    round held a five-peer group 20 s, "missed a groupmate's slice for every member"). At weight 0
-    a group that forms runs at once and our part costs the others nothing. ``grace``: about one
-    matchmaking request (``SwarmConfig.request_timeout_s``)."""
-    control.weight = 0
-    if not control.triggered:
-        control.allow_allreduce()
-    deadline = time.monotonic() + grace
-    while (control.stage == AveragingStage.LOOKING_FOR_GROUP and not control.done()
-           and time.monotonic() < deadline):
-        time.sleep(0.01)
-    if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
-        control.cancel()
-        return True
-    return False
-
-
-def release_scheduled(control, timeout: float, *, grace: float) -> None:
+def release_scheduled(control, timeout: float) -> None:
     """Leave a round this peer scheduled ahead (before a state download, or when it goes). One no
-    group waits on yet (not triggered, idle or still looking for a group) is cancelled
-    (:func:`cancel_unless_grouped`, which lets a group forming with it run first): tagging along
-    would block until that round ends, maybe an epoch away (seen: 25 s). Otherwise tag along
+    group waits on yet (not triggered, idle or still looking for a group) is cancelled: tagging
+    along would block until that round ends, maybe an epoch away (seen: 25 s). Otherwise tag along
     (:func:`tag_along`), so the group does not stall waiting for us."""
     if control is None or control.done():
         return
-    if not control.triggered and control.stage == AveragingStage.IDLE:
-        control.cancel()  # not matchmaking yet: no group can hold it
-    elif (control.triggered or control.stage != AveragingStage.LOOKING_FOR_GROUP
-          or not cancel_unless_grouped(control, grace)):
+    if not control.triggered and control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+        control.cancel()
+    else:
         tag_along(control, timeout)
 
 
