@@ -63,8 +63,8 @@ class _DropHivemindTaskReports(logging.Filter):
       runs to its end and then fails to hand over a result nobody waits for ("Can't set_result to
       a future that is CANCELLED"). The groupmates got their parts; this peer downloads the state.
     - An averaging step's own tasks garbage-collected while pending (hivemind's ``_step``, its
-      cancellation watcher and its matchmaking; seen right after hivemind cancelled a pre-scheduled
-      state round whose group had formed). The trainer follows every step through its control,
+      cancellation watcher and its matchmaking; seen for a step cancelled after its group had
+      formed, its cancel already delivered). The trainer follows every step through its control,
       not through these tasks: a step that vanished ends as a failed round at its timeout, which
       the round log and the dashboard show.
     """
