@@ -453,7 +453,6 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
     # slice out of every member's average (``rounds_missing_a_slice``): nothing to wait for (seen:
     # seven peers leaving a run each waiting a minute for a report nobody could make), and the
     # round record tells the absent one, still looking for the group, that the round is over.
-
     published = []
     monkeypatch.setattr(swarm_metrics, "publish_round",
                         lambda dht, run_id, signer, *, epoch, group_size: published.append((epoch, group_size)))
@@ -480,4 +479,3 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
     else:
         assert opt.catch_up.partial_epoch == 4 and averager.state_sharing_priority < 5
         assert published == [], "a partial average is not reported as a finished round"
-
