@@ -107,13 +107,17 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
         # (imports, the DHT, the first batches) takes seconds to a minute on a busy laptop, and the
         # schedule was sized for ``minutes`` of training.
         print(f"waiting for the {peers} volunteer(s) to start training; logs in {out / 'logs'}", flush=True)
-        startup_ends, end = time.monotonic() + STARTUP_WAIT_S, None
+        startup_ends, end, next_line = time.monotonic() + STARTUP_WAIT_S, None, 0.0
         while end is None or time.monotonic() < end:
-            time.sleep(1.0 if end is None else min(15.0, max(0.0, end - time.monotonic())))
+            # Checked every second, so the demo goes on as soon as the volunteers are done; a
+            # progress line every 15 s.
+            time.sleep(1.0 if end is None else min(1.0, max(0.0, end - time.monotonic())))
             if all(proc.poll() is not None for proc in volunteers.values()):
                 if all(proc.returncode == 0 for proc in volunteers.values()):
                     break  # every volunteer reached --max-epochs, or the run's last epoch
                 raise RuntimeError(f"every volunteer exited early; see the logs in {out / 'logs'}")
+            if end is not None and time.monotonic() < min(next_line, end):
+                continue
             if end is None and time.monotonic() >= startup_ends:  # even while the status does not answer
                 end = time.monotonic() + 60 * minutes
                 print(f"not every volunteer trains after {STARTUP_WAIT_S:.0f} s (see their logs); training for "
@@ -129,6 +133,7 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
                     print(f"{len(live)} of {peers} volunteer(s) training; training for {minutes:g} minutes\n",
                           flush=True)
                 continue
+            next_line = time.monotonic() + 15.0
             loss = sum(p["loss"] for p in live) / len(live) if live else float("nan")
             print(f"[{time.strftime('%H:%M:%S')}] epoch {status['epoch']:4d} | {len(live)} peers | "
                   f"{status.get('samples_per_second', 0):6.1f} samples/s | mean loss {loss:.4f}", flush=True)
