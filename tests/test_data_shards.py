@@ -170,6 +170,99 @@ def test_demo_shards_are_made_once_and_reused_from_the_cache(tmp_path, monkeypat
         demo.ensure_demo_shards(tmp_path / "run3" / "shapes", num_train=301, cache=cache)
 
 
+def test_a_cache_entry_is_made_by_one_maker_while_a_second_waits_for_it(tmp_path):
+    """Two makers of one entry at once (threads here: the lock is per open file, as between
+    processes): the second waits for the first and reuses its entry instead of making it again."""
+    import logging
+    import threading
+
+    from crowdtrain.data import demo
+
+    waiting = threading.Event()
+
+    class Waiting(logging.Handler):
+        def emit(self, record):
+            if "waiting for it to finish" in record.getMessage():
+                waiting.set()
+
+    made = []
+
+    def make(folder, _entry):
+        made.append(threading.current_thread().name)
+        started.set()
+        # Hold the entry until the second maker has found it busy (it says so before it waits).
+        assert waiting.wait(30), "the second maker did not wait for the first"
+        (folder / "data.txt").write_text("rows")
+        (folder / "done.json").write_text("{}")
+
+    def finished(folder):
+        return (folder / "done.json").is_file()
+
+    def build(name, results):
+        results[name] = demo.build_cached(tmp_path / name, cache_root=tmp_path / "cache", entry="set", recipe={"n": 1},
+                                          marker="done.json", make=make, is_finished=finished,
+                                          clear=lambda out: None, what="a test set")
+
+    handler, logger = Waiting(), logging.getLogger(demo.__name__)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    started, results = threading.Event(), {}
+    try:
+        first = threading.Thread(target=build, args=("first", results), name="first")
+        first.start()
+        assert started.wait(60)
+        second = threading.Thread(target=build, args=("second", results), name="second")
+        second.start()
+        first.join(120)
+        second.join(120)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert made == ["first"], made
+    assert all((results[n] / "data.txt").read_text() == "rows" for n in ("first", "second")), results
+    assert len(list((tmp_path / "cache" / "demo-shards").iterdir())) == 1  # one entry, no private folder left
+
+
+def test_the_coordinators_shapes_data_comes_from_the_shared_cache_and_a_failed_build_says_so(tmp_path, monkeypatch,
+                                                                                             capfd):
+    """`crowdtrain coordinator --data shapes` makes the bundled set (50,000 images, minutes on a
+    fresh machine) in a child process, or takes the shared cache's entry. The entry here is a
+    small set filed under the 50,000-image recipe: the child's real lookup, links and hand-over,
+    in seconds. Its log reaches the coordinator's stderr (a first build shows its progress)."""
+    import shutil
+
+    from crowdtrain.coordinator.run import CoordinatorConfig, ShapesBuildFailed, resolve_shards
+    from crowdtrain.data import demo
+    from crowdtrain.data.tokenizers import default_image_tokenizer
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CROWDTRAIN_CACHE", str(cache))
+    small = demo.ensure_demo_shards(tmp_path / "small", num_train=300, cache=False)
+    recipe = demo.demo_recipe(demo.DEFAULT_NUM_TRAIN, 0, default_image_tokenizer())
+
+    def file_small_under_the_full_recipe(folder, _entry):
+        for f in small.iterdir():
+            if f.name != demo.MARKER:
+                shutil.copy(f, folder / f.name)
+        (folder / demo.MARKER).write_text(json.dumps(recipe))
+
+    demo.build_cached(tmp_path / "seeded", cache_root=cache, entry=f"shapes-{demo.DEFAULT_NUM_TRAIN}", recipe=recipe,
+                      marker=demo.MARKER, make=file_small_under_the_full_recipe,
+                      is_finished=lambda folder: demo._is_finished(folder, recipe), clear=demo._clear, what="seeded")
+    capfd.readouterr()
+    got = resolve_shards(CoordinatorConfig(run_id="t", data="shapes", run_dir=str(tmp_path / "run")))
+    assert got == tmp_path / "run" / "data" / "shapes"
+    assert (got / "train-00000.parquet").read_bytes() == (small / "train-00000.parquet").read_bytes()
+    assert json.loads((got / demo.MARKER).read_text()) == recipe
+    assert f"{demo.DEFAULT_NUM_TRAIN} demo images: reusing {cache}" in capfd.readouterr().err
+
+    (tmp_path / "not_a_folder").write_text("")
+    with pytest.raises(ShapesBuildFailed, match=r"making the bundled shapes data in .*not_a_folder.* failed .*--data"):
+        resolve_shards(CoordinatorConfig(run_id="t", data="shapes", run_dir=str(tmp_path / "not_a_folder")))
+    assert "Traceback" in capfd.readouterr().err  # the child's error, above the coordinator's one line
+
+
 def test_demo_shards_small_sets_stay_out_of_the_shared_cache(tmp_path, monkeypatch):
     from crowdtrain.data import demo
 

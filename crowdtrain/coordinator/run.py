@@ -260,13 +260,25 @@ def sample_prompts_for(config: CoordinatorConfig, shards_dir: Path | None) -> li
         return []
 
 
+class ShapesBuildFailed(ValueError):
+    """The bundled shapes data could not be made (its maker's error is in the log above it): a
+    problem of this machine (disk, memory) the organizer can fix, told without a second traceback."""
+
+
 def resolve_shards(config: CoordinatorConfig) -> Path | None:
     """The local shard folder to serve, making the bundled shapes data on first use."""
     if config.data == "shapes":
-        # Making the data set needs torch (the image tokenizer): do it in a child process.
+        # Made in a child process: the image tokenizer needs torch, which the coordinator does not
+        # import. The first build on a machine takes minutes (later runs take the cached set): its
+        # log lines and progress bar go to this process's stderr, so the organizer sees it work.
         target = Path(config.run_dir) / "data" / "shapes"
-        code = "import sys; from crowdtrain.data import ensure_demo_shards; print(ensure_demo_shards(sys.argv[1]))"
-        out = subprocess.run([sys.executable, "-c", code, str(target)], check=True, capture_output=True, text=True)
+        code = ("import sys; from crowdtrain.cli import setup_logging; setup_logging(False); "
+                "from crowdtrain.data import ensure_demo_shards; print(ensure_demo_shards(sys.argv[1]))")
+        out = subprocess.run([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, text=True)
+        if out.returncode != 0:
+            raise ShapesBuildFailed(f"making the bundled shapes data in {target} failed (exit {out.returncode}; its "
+                               "error is above): fix that and start the coordinator again, or give --data a "
+                               "shard folder of your own (`crowdtrain data prepare`)")
         return Path(out.stdout.strip().splitlines()[-1])
     path = Path(config.data)
     if path.is_dir():

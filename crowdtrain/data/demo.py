@@ -23,6 +23,7 @@ a few times in a 14-minute run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -115,18 +116,11 @@ def build_cached(out: Path, *, cache_root: Path | None, entry: str, recipe: dict
     cached = cache_root / "demo-shards" / f"{entry}-{key}"
     if not is_finished(cached):
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=cached.name + ".tmp-", dir=cached.parent))
-        logger.info("making %s once; later runs reuse %s", what, cached)
-        try:
-            make(tmp, cached)
-            try:
-                os.replace(tmp, cached)
-            except OSError:  # another process finished first (or left a broken entry)
-                if not is_finished(cached):
-                    shutil.rmtree(cached, ignore_errors=True)
-                    os.replace(tmp, cached)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with _one_maker(cache_root / "locks" / f"{cached.name}.lock", what):
+            if is_finished(cached):  # made by the process this one waited for
+                logger.info("%s: reusing %s", what, cached)
+            else:
+                _make_entry(cached, make, is_finished, what)
     else:
         logger.info("%s: reusing %s", what, cached)
     clear(out)
@@ -136,6 +130,47 @@ def build_cached(out: Path, *, cache_root: Path | None, entry: str, recipe: dict
             _link_or_copy(f, out / f.name)
     _link_or_copy(cached / marker, out / marker)
     return out
+
+
+def _make_entry(cached: Path, make, is_finished, what: str) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=cached.name + ".tmp-", dir=cached.parent))
+    logger.info("making %s once; later runs reuse %s", what, cached)
+    try:
+        make(tmp, cached)
+        try:
+            os.replace(tmp, cached)
+        except OSError:  # a process without the lock (another filesystem's) finished first, or a broken entry
+            if not is_finished(cached):
+                shutil.rmtree(cached, ignore_errors=True)
+                os.replace(tmp, cached)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _one_maker(lock: Path, what: str):
+    """One process at a time makes a cache entry: a second one (the benchmarks beside a demo, two
+    test workers, a coordinator and its peers) waits for the first rather than spending the same
+    minutes of a busy machine again, and never trains a tokenizer into the same resume file. An
+    advisory lock: the OS drops it when its holder dies, so an interrupted maker blocks nobody,
+    and the next one resumes its work. Where there are no such locks (Windows) both make the
+    entry and the rename keeps it whole."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is making %s; waiting for it to finish (lock: %s)", what, lock)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _is_finished(folder: Path, recipe: dict) -> bool:
