@@ -81,6 +81,8 @@ def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_mode
         assert log.count("| loss") <= summary["final_epoch"] + summary["seconds"] / 5 + 2, log[-3000:]
         assert summary["steps"] > 2 * (summary["final_epoch"] + summary["seconds"] / 5 + 2), summary["steps"]
         assert f"contributed {summary['samples']} samples in {summary['steps']} steps" in log, log[-2000:]
+        # b's every fourth batch is NaN: a line per 30 s of them, not one per dropped batch.
+        assert log.count("non-finite loss or gradient") <= summary["seconds"] / 30 + 1, log[-2000:]
     assert not noise_in((swarm.run_dir / "aux.log").read_text()), noise_in((swarm.run_dir / "aux.log").read_text())
     finals = {n: s["final_epoch"] for n, s in summaries.items()}
     assert min(finals.values()) >= epochs and max(finals.values()) - min(finals.values()) <= 1, finals
@@ -320,6 +322,19 @@ def test_a_round_credits_the_peers_weight_only_when_its_gradients_went_into_a_st
     assert ledger.record_fields() == {"session": ledger.session, "credited_samples": 456, "credited_steps": 2}
     assert [e["credited"] for e in ledger.entries] == [True, False, True, False, False]
     assert Ledger().session != ledger.session, "a restarted peer is a new session"
+
+
+def test_dropped_batches_are_told_once_then_as_a_count_every_30_s():
+    from crowdtrain.swarm.peer import Bursts
+
+    now = [0.0]
+    bursts = Bursts(period_s=30.0, clock=lambda: now[0])
+    said = []
+    for t in [0.0, 0.2, 0.4, 10.0, 29.9, 30.1, 30.2, 100.0]:
+        now[0] = t
+        said.append(bursts.count())
+    # The first at once; the four in the next 30 s with the one that ends them; then quiet again.
+    assert said == [1, None, None, None, None, 5, None, 2]
 
 
 def test_the_trainers_finite_check_finds_one_bad_value_in_any_float_dtype():

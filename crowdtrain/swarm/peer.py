@@ -387,6 +387,26 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
         logger.warning("%s did not finish within %.0fs; leaving anyway", what, timeout_s)
 
 
+class Bursts:
+    """One log line for a run of repeated events, not one per event: the first at once, then at
+    most one every ``period_s`` with how many happened since the last line. A device that turns
+    every fourth batch non-finite (or fp16 finding its loss scale) drops batches several times a
+    second; the line says how often, the volunteer's log stays readable."""
+
+    def __init__(self, period_s: float = 30.0, clock=time.monotonic):
+        self.period_s, self.clock = period_s, clock
+        self.unreported, self._last_line = 0, None
+
+    def count(self) -> int | None:
+        """Counts one event; the number to report now (this one included), or None: stay quiet."""
+        self.unreported += 1
+        now = self.clock()
+        if self._last_line is not None and now - self._last_line < self.period_s:
+            return None
+        n, self.unreported, self._last_line = self.unreported, 0, now
+        return n
+
+
 def backward_checked(loss: torch.Tensor, model: torch.nn.Module, loss_scale: LossScale, all_finite) -> bool:
     """Backward of ``loss`` (scaled when ``loss_scale`` is enabled). True if the loss and every
     gradient are finite; the gradients are then unscaled, ready for the optimizer. False: the
@@ -405,6 +425,7 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
     batches = task.batches(batch_size=config.batch_size, seed_key=summary["peer_id"])
     start = time.perf_counter()
     contributed = steps = dropped = 0
+    drops = Bursts()
     waited = computed = 0.0  # seconds blocked in optimizer.step / computing gradients (padding included)
     over_budget = 0  # steps whose real computation took longer than --simulated-step-s
     losses: list[float] = []
@@ -436,10 +457,14 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
             loss = loss * float("nan")
         if not backward_checked(loss, model, loss_scale, all_finite):
             # Never send a non-finite gradient: drop this batch and go on.
-            logger.warning("non-finite loss or gradient (loss %s%s); dropping this batch", loss.item(),
-                           f", fp16 loss scale now {loss_scale.scale:g}" if loss_scale.enabled else "")
             optimizer.zero_grad()
             dropped += 1
+            if (n := drops.count()) is not None:
+                scale = f", fp16 loss scale now {loss_scale.scale:g}" if loss_scale.enabled else ""
+                logger.warning("non-finite loss or gradient (loss %s%s); dropping this batch%s", loss.item(), scale,
+                               "" if n == 1 and dropped == 1 else
+                               f" ({n} dropped since the last such line, {dropped} in all; a steady stream means a "
+                               "faulty device or a learning rate too high)")
             continue
         if config.simulated_step_s > 0:
             # Pad the computation, not the waiting: a slower device computes longer, its network is no slower.
