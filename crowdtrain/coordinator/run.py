@@ -276,9 +276,9 @@ def resolve_shards(config: CoordinatorConfig) -> Path | None:
                 "from crowdtrain.data import ensure_demo_shards; print(ensure_demo_shards(sys.argv[1]))")
         out = subprocess.run([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, text=True)
         if out.returncode != 0:
-            raise ShapesBuildFailed(f"making the bundled shapes data in {target} failed (exit {out.returncode}; its "
-                               "error is above): fix that and start the coordinator again, or give --data a "
-                               "shard folder of your own (`crowdtrain data prepare`)")
+            raise ShapesBuildFailed(f"making the bundled shapes data in {target} failed (exit {out.returncode}; "
+                                    "its error is above): fix that and start the coordinator again, or give --data "
+                                    "a shard folder of your own (`crowdtrain data prepare`)")
         return Path(out.stdout.strip().splitlines()[-1])
     path = Path(config.data)
     if path.is_dir():

@@ -153,7 +153,7 @@ def _one_maker(lock: Path, what: str):
     test workers, a coordinator and its peers) waits for the first rather than spending the same
     minutes of a busy machine again, and never trains a tokenizer into the same resume file. An
     advisory lock: the OS drops it when its holder dies, so an interrupted maker blocks nobody,
-    and the next one resumes its work. Where there are no such locks (Windows) both make the
+    and the next one takes over (resuming a tokenizer's training from its saved state). Where there are no such locks (Windows) both make the
     entry and the rename keeps it whole."""
     try:
         import fcntl
