@@ -23,6 +23,12 @@ Tuning by symptom:
   groupmate may be silent for a quarter of it) and ``matchmaking_time_s``.
 - Peers spending much of their time waiting on averaging: raise ``target_batch_size`` so each
   epoch holds more compute per round of communication, or use ``mode="diloco"``.
+- A slow volunteer contributing one step per epoch (its "samples/s" far below what it computes
+  alone) and, now and then, rounds where its groupmates wait for its part: epochs last about as
+  long as a round (matchmaking plus the all-reduce), so it reaches each epoch's end while its
+  last round still runs and waits for it (hivemind runs one update at a time). Raise
+  ``target_batch_size`` to epochs of several rounds' time (a three-peer test swarm went from 3 s
+  epochs, where its slow peer sent 4 samples a round, to 7 s, where it sent all it computed).
 
 Modes (``mode``): ``sync`` is the paper's: one global epoch = one optimizer step on gradients
 averaged over ``target_batch_size`` samples. ``diloco`` (``crowdtrain.swarm.diloco``): every
