@@ -116,3 +116,44 @@ def test_the_checkpointer_waits_out_a_donor_whose_round_holds_its_state():
                 averager.shutdown()
         for dht in [root, *dhts]:
             dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_suspect_donor_is_asked_last_even_with_a_newer_state():
+    """A peer whose parts this peer's reducers threw out (a suspect) may serve a crafted model
+    whole: the state comes from another donor, an older one too, and from the suspect only when
+    nobody else offers one."""
+    from crowdtrain.swarm.robust import SuspectPeers
+
+    root = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [hivemind.DHT(start=True, initial_peers=root.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            for _ in range(2)]
+    suspects = SuspectPeers()
+    suspect = Peer(root, 6)
+    suspect.state_sharing_priority = 6.0  # claims the newest state
+    honest = Peer(dhts[0], 5)
+    honest.state_sharing_priority = 5.0
+    newcomer = Peer(dhts[1], 0, allow_state_sharing=False, distrusted=suspects)
+    try:
+        def both_declared() -> bool:
+            found = root.get("storm.all_averagers", latest=True)
+            return found is not None and sorted(v.value for v in found.value.values()) == [5.0, 6.0]
+
+        wait_until(both_declared)
+        assert newcomer.load_state_from_peers(timeout=20)[0]["epoch"] == 6, "nobody suspect yet: the newest"
+        suspects.update({suspect.peer_id.to_bytes(): True})
+        epochs = [newcomer.load_state_from_peers(timeout=20)[0]["epoch"] for _ in range(4)]
+        assert epochs == [5] * 4, epochs
+        honest.shutdown()
+        for _ in range(10):  # the suspect's state is better than none
+            state = newcomer.load_state_from_peers(timeout=20)
+            if state is not None and state[0]["epoch"] == 6:
+                break
+            time.sleep(1.0)
+        assert state is not None and state[0]["epoch"] == 6, state
+    finally:
+        for averager in (suspect, honest, newcomer):
+            if averager.is_alive():
+                averager.shutdown()
+        for dht in [root, *dhts]:
+            dht.shutdown()

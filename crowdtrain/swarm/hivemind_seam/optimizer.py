@@ -126,8 +126,8 @@ class OptimizerSeam(hivemind.Optimizer):
         self._averager_opts = dict(kwargs.get("averager_opts") or {})
         self.access_guard = access_guard
         self._state_uploads = state_uploads or {}
-        # Judged in gradient rounds only (the state averager gets none): parameters of a peer that
-        # missed a round differ honestly.
+        # Judged in gradient rounds only (the state averager judges nobody: parameters of a peer
+        # that missed a round differ honestly); its downloads ask suspects last.
         self.suspects = SuspectPeers()
         if access_guard is not None:
             kwargs["grad_averager_factory"] = guarded(kwargs.get("grad_averager_factory") or GradientAverager,
@@ -216,7 +216,7 @@ class OptimizerSeam(hivemind.Optimizer):
             shutdown_timeout=self.shutdown_timeout, offload_optimizer=self.offload_optimizer,
             custom_gradients=self.offload_optimizer, status_loglevel=self.status_loglevel,
             next_chunk_timeout=self.next_chunk_timeout, client_mode=self.client_mode, auxiliary=self.auxiliary,
-            start=True, **self._state_uploads, **kwargs)
+            distrusted=self.suspects, start=True, **self._state_uploads, **kwargs)
 
     def averaging_stats(self) -> dict:
         """Bytes this peer sent in averaging rounds (compressed, as serialized) and reducer time."""

@@ -66,10 +66,17 @@ class StateUploadLimit:
     both downloads unless the second moves on.
 
     ``upload_delay_s`` (fault injection for tests: ``join --inject-fault slow-upload=S``) holds each
-    upload that long before sending, as a slow uplink would."""
+    upload that long before sending, as a slow uplink would.
 
-    def __init__(self, *args, max_state_uploads: int = 2, upload_delay_s: float = 0.0, **kwargs):
+    ``distrusted`` (the peers this peer's reducers found sending outliers, shared with them; by
+    default the robust averager's own ``suspects``): donors asked last. Robust aggregation
+    bounds what a malicious peer's gradients can do, but a downloaded state replaces the model
+    whole, so the state of a peer caught sending crafted parts is taken only when no other peer
+    offers one, even an older one."""
+
+    def __init__(self, *args, max_state_uploads: int = 2, upload_delay_s: float = 0.0, distrusted=None, **kwargs):
         self.max_state_uploads, self.upload_delay_s = max_state_uploads, upload_delay_s
+        self.distrusted = distrusted
         self._uploads = 0  # counted in the averager's process, whose event loop serves the requests
         # Shared with the host process (made before the averager's process starts).
         self.uploads_sent, self.uploads_turned_away = mp.Value("q", 0), mp.Value("q", 0)
@@ -114,17 +121,25 @@ class StateUploadLimit:
                         for peer_id, info in (found.items() if isinstance(found, dict) else ())
                         if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
                         and math.isfinite(info.value)}
-            ranked = [peer for peer in sorted(priority, key=priority.get, reverse=True) if peer != self.peer_id]
+            suspects = self.distrusted if self.distrusted is not None else getattr(self, "suspects", None)
+            distrusted = suspects.snapshot() if suspects is not None else frozenset()
+            ranked = [peer for peer in sorted(priority, key=lambda p: (p.to_bytes() in distrusted,
+                                                                       tuple(-x for x in priority[p])))
+                      if peer != self.peer_id]
             if not ranked:
                 logger.info("no peer offers its state")
                 return
             newest = math.floor(priority[ranked[0]][0])
             busy = 0
             for peer in ranked:
-                if busy and math.floor(priority[peer][0]) < newest:
+                suspect = peer.to_bytes() in distrusted
+                if busy and (math.floor(priority[peer][0]) < newest or suspect):
                     logger.info("%d donor(s) of the newest state (epoch %d) are busy; asking again shortly "
                                 "rather than taking an older state", busy, newest)
                     return
+                if suspect:
+                    logger.warning("taking the state of peer %s, whose parts were outliers in its last round "
+                                   "with this peer: no other peer offers one", peer)
                 t0 = time.monotonic()
                 try:
                     stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
