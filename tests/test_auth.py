@@ -176,6 +176,29 @@ def test_the_averaging_guard_admits_token_holders_and_refuses_the_rest(keys):
     assert dht.lookups == 1
 
 
+def test_a_token_the_first_lookup_missed_is_found_by_a_second_one(keys):
+    """A lookup that misses a groupmate's token (a failed or partial DHT answer on a busy machine)
+    costs it a moment, not its part of the round: the guard looks once more when its rate limit
+    allows, and refuses only if that misses too."""
+    _, coordinator, peer, other = keys
+    pid, stranger = peer_id_of(peer.get_public_key().to_bytes()), peer_id_of(other.get_public_key().to_bytes())
+    token = coordinator.issue("alice", peer.get_public_key().to_bytes(), lifetime_s=60)
+
+    class Flaky(_FakeDHT):
+        async def get(self, key, latest, return_future):
+            answer = await super().get(key, latest, return_future)
+            return None if self.lookups == 1 else answer  # the first lookup fails
+
+    dht = Flaky([token])
+    guard = AccessGuard(run_id="r", coordinator_public_key=coordinator.public_key, lookup_interval_s=0.3)
+    started = time.monotonic()
+    asyncio.run(guard.check(dht, pid))
+    assert dht.lookups == 2 and 0.3 <= time.monotonic() - started < 2.0
+    with pytest.raises(PermissionError):
+        asyncio.run(guard.check(dht, stranger))
+    assert dht.lookups == 3 and guard.refused == 1  # one more lookup, once the interval allowed it
+
+
 def test_a_token_keeper_retries_a_failed_renewal_with_backoff_and_keeps_its_token_meanwhile(keys):
     """The coordinator down: the keeper keeps the token it has (still valid: peers honour it until
     its expiry) and asks again after 5, 10, 20 ... s (at most a twentieth of the lifetime), not

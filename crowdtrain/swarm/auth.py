@@ -309,10 +309,13 @@ class TokenKeeper:
 class AccessGuard:
     """Decides whether a remote peer may talk to this peer's averagers. Runs in averager processes.
 
-    Allowed peers are cached until their token expires; an unknown caller triggers one DHT lookup
-    of the published tokens at most every ``lookup_interval_s`` (so a flood of strangers costs at
-    most that), then is refused if it is still unknown.
+    Allowed peers are cached until their token expires; an unknown caller triggers a DHT lookup
+    of the published tokens, at most one every ``lookup_interval_s`` (so a flood of strangers
+    costs at most that), and is refused if two lookups (the second once the interval allows it)
+    do not find it.
     """
+
+    SECOND_LOOK_S = 2.0  # the longest an unknown caller waits for a second lookup
 
     def __init__(self, *, run_id: str, coordinator_public_key: bytes, lookup_interval_s: float = 1.0):
         self.run_id, self.coordinator_public_key = run_id, coordinator_public_key
@@ -346,12 +349,21 @@ class AccessGuard:
             return
         if self._lock is None:
             self._lock = asyncio.Lock()
-        async with self._lock:
-            if not self._is_allowed(peer_id) and time.monotonic() - self._last_lookup >= self.lookup_interval_s:
-                self._last_lookup = time.monotonic()
-                found = await dht.get(auth_key(self.run_id), latest=True, return_future=True)
-                if found is not None and isinstance(found.value, dict):
-                    self.learn([entry.value for entry in found.value.values() if isinstance(entry.value, dict)])
+        # A second look, once the rate limit allows it (within SECOND_LOOK_S): a lookup can miss a
+        # token a groupmate published long ago (a busy machine's DHT request that failed, or came
+        # back from nodes without it; seen 23 s after two peers joined), and a refusal costs the
+        # caller its part of a round. A stranger is refused a moment later, with no extra lookups.
+        for look in range(2):
+            async with self._lock:
+                wait = self.lookup_interval_s - (time.monotonic() - self._last_lookup)
+                if not self._is_allowed(peer_id) and wait <= 0:
+                    self._last_lookup, wait = time.monotonic(), self.lookup_interval_s
+                    found = await dht.get(auth_key(self.run_id), latest=True, return_future=True)
+                    if found is not None and isinstance(found.value, dict):
+                        self.learn([entry.value for entry in found.value.values() if isinstance(entry.value, dict)])
+            if self._is_allowed(peer_id) or look == 1 or wait > self.SECOND_LOOK_S:
+                break
+            await asyncio.sleep(wait)
         if not self._is_allowed(peer_id):
             with self._refused.get_lock():
                 self._refused.value += 1

@@ -137,9 +137,6 @@ class StateUploadLimit:
                     logger.info("%d donor(s) of the newest state (epoch %d) are busy; asking again shortly "
                                 "rather than taking an older state", busy, newest)
                     return
-                if suspect:
-                    logger.warning("taking the state of peer %s, whose parts were outliers in its last round "
-                                   "with this peer: no other peer offers one", peer)
                 t0 = time.monotonic()
                 try:
                     stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
@@ -159,6 +156,9 @@ class StateUploadLimit:
                         logger.debug("peer %s did not send its state (busy or not sharing)", peer)
                         continue
                     logger.info("Finished downloading state in %.3fs from %s", time.monotonic() - t0, peer)
+                    if suspect:
+                        logger.warning("the state came from peer %s, whose parts were outliers in its last round "
+                                       "with this peer: no other peer offered one", peer)
                     with self.states_loaded.get_lock():
                         self.states_loaded.value += 1
                     future.set_result((metadata, tensors))
