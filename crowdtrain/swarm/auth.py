@@ -34,9 +34,11 @@ state re-synced, as soon as the coordinator is back and its renewal succeeds).
 Tuning: ``token_lifetime_s`` (coordinator, ``--token-lifetime-s``) is both how long a revoked
 user's peers keep access and, times 0.7, the longest outage of the coordinator the swarm rides
 out intact: to survive maintenance of D minutes, set it to about D / 0.7 minutes. Renewals cost
-one signed HTTP request per peer per quarter lifetime. If peers log "refused: no valid access
-token" right after joining, the DHT has not yet spread their token record: it is retried on the
-next matchmaking attempt.
+one signed HTTP request per peer per quarter lifetime. An averager that does not know a caller
+looks its token up in the DHT, and once more a moment later before it refuses (a lookup on a busy
+machine can miss a record). If peers still log "refused: no valid access token" right after
+joining, the DHT has not yet spread their token record: it is retried on the next matchmaking
+attempt.
 """
 
 from __future__ import annotations
