@@ -141,22 +141,33 @@ def check_attacked_run(swarm, epochs) -> None:
     start = pattern_loss()
     losses = {n: pattern_loss(swarm.tmp / f"{n}.safetensors") for n in "abc"}
     assert all(loss < start - 0.5 for loss in losses.values()), (start, losses)
-    rounds = swarm.summary("a")["rounds"]
-    assert any(r["group_size"] == 4 for r in rounds), rounds  # the attacker was in the groups
-    honest = swarm.summary("a")["averaging"]["pseudo_gradients"]
-    assert honest["parts_reduced"] > 0 and honest["bytes_sent"] > 0
-    # After the first round the attacker is suspect to every honest peer, and its samples no
-    # longer count toward the target: the honest peers themselves process the whole target batch
-    # in later rounds (counting its samples, they would stop at 3/4 of it every round).
-    assert honest["suspects_found"] >= epochs - 1, honest
+    summaries = {n: swarm.summary(n) for n in ("a", "b", "c", "evil")}
+    # Groups are of three or more (centered clip's minimum), so a round can leave one of the four
+    # out, alone: a peer that reached the sync point after the others' group had closed (seen: an
+    # honest peer alone in every other round, beside the other run on two cores). The checks
+    # below hold per round a peer was grouped in. The attacker was in the groups:
+    assert sum(r["group_size"] >= 3 for r in summaries["evil"]["rounds"]) >= epochs - 1, summaries["evil"]["rounds"]
+    # After the first round the attacker is suspect to every honest peer grouped with it (in
+    # each of its rounds but one at most), and its samples no longer count toward the target:
+    # the honest peers themselves process the whole target batch in later rounds (counting its
+    # samples, they would stop at 3/4 of it every round).
+    found = {}
+    for name in "abc":
+        honest, rounds = summaries[name]["averaging"]["pseudo_gradients"], summaries[name]["rounds"]
+        grouped = sum(r["group_size"] >= 3 for r in rounds)
+        assert grouped == 0 or (honest["parts_reduced"] > 0 and honest["bytes_sent"] > 0), (name, honest)
+        assert honest["suspects_found"] >= grouped - 1, (name, honest, rounds)
+        found[name] = honest["suspects_found"]
+    assert sum(found.values()) >= 2 * (epochs - 1), found  # two honest peers or more in every round's group
     samples = sum(swarm.summary(n)["samples"] for n in "abc")
     assert samples >= (epochs - 1) * 768 + 3 / 4 * 768, samples
 
 
 # One rerun: two swarms side by side on a 2-core machine, where hivemind's matchmaking now and
-# then counts a member that never takes part (it failed 2 of 5 full-suite runs; in the one
-# examined, an honest peer was alone for two rounds, so fewer suspect verdicts); a broken feature
-# fails both runs.
+# then counts a member that never takes part. (An honest peer left alone in every other round of
+# the attacked run, which failed half the suite runs of one session under a check of peer a's
+# verdicts alone, is allowed for: the checks are per round a peer was grouped in.) A broken
+# feature fails both runs.
 @pytest.mark.swarm
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(420)
