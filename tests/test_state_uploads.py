@@ -30,6 +30,14 @@ def wait_until(check, timeout: float = 30.0):
         time.sleep(0.2)
 
 
+def shut_down(averagers, dhts) -> None:
+    for averager in averagers:
+        if averager.is_alive():
+            averager.shutdown()
+    for dht in dhts:
+        dht.shutdown()
+
+
 # One rerun: three averagers' processes on the suite's niced worker of a loaded 2-core machine can
 # be starved past a newcomer's wait, which then passes over the donor for the older state; a
 # broken feature fails both runs.
@@ -80,11 +88,7 @@ def test_a_busy_donor_turns_the_second_newcomer_away_and_it_does_not_take_the_ol
             time.sleep(1.0)
         assert state is not None and state[0]["epoch"] == 1
     finally:
-        for averager in [donor, checkpoint, *newcomers]:
-            if averager.is_alive():
-                averager.shutdown()
-        for dht in [root, *dhts]:
-            dht.shutdown()
+        shut_down([donor, checkpoint, *newcomers], [root, *dhts])
 
 
 @pytest.mark.timeout(120)
@@ -111,11 +115,7 @@ def test_the_checkpointer_waits_out_a_donor_whose_round_holds_its_state():
         state = patient.load_state_from_peers(timeout=20)
         assert state is not None and state[0]["epoch"] == 5
     finally:
-        for averager in (donor, hasty, patient):
-            if averager.is_alive():
-                averager.shutdown()
-        for dht in [root, *dhts]:
-            dht.shutdown()
+        shut_down([donor, hasty, patient], [root, *dhts])
 
 
 @pytest.mark.timeout(120)
@@ -152,8 +152,4 @@ def test_a_suspect_donor_is_asked_last_even_with_a_newer_state():
             time.sleep(1.0)
         assert state is not None and state[0]["epoch"] == 6, state
     finally:
-        for averager in (suspect, honest, newcomer):
-            if averager.is_alive():
-                averager.shutdown()
-        for dht in [root, *dhts]:
-            dht.shutdown()
+        shut_down([suspect, honest, newcomer], [root, *dhts])
