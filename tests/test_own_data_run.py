@@ -61,7 +61,7 @@ def test_the_guide_with_own_images_by_the_command_line_alone_to_the_end_of_its_t
                "--split", "valid")
 
     # Step 4: the coordinator with both tokenizers by flag, the organizer's own prompts, and a
-    # time budget (30 s of training here): the run sizes its total once it has measured its pace.
+    # time budget (20 s of training here): the run sizes its total once it has measured its pace.
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# the gallery\na blue checkerboard number 1\n[held-out] a green gradient number 2\n")
     swarm = LocalSwarm(tmp_path, preset="tiny", data=str(shards), samples_every=1,
@@ -69,9 +69,9 @@ def test_the_guide_with_own_images_by_the_command_line_alone_to_the_end_of_its_t
     del swarm.swarm["total_epochs"]  # the budget sizes it
     try:
         info = swarm.start_coordinator(extra=["--image-tokenizer", str(vq), "--text-tokenizer", str(text),
-                                              "--sample-prompts", str(prompts), "--time-budget", "30s"])
+                                              "--sample-prompts", str(prompts), "--time-budget", "20s"])
         assert info["task"]["model"]["image_vocab_size"] == 512  # sized by the image tokenizer
-        assert info["schedule"]["total_epochs"] is None and info["schedule"]["time_budget_s"] == 30
+        assert info["schedule"]["total_epochs"] is None and info["schedule"]["time_budget_s"] == 20
         for name in ("alice", "bob"):
             swarm.join(name, batch_size=8, max_epochs=500)
         for name in ("alice", "bob"):

@@ -86,7 +86,7 @@ def test_the_step_clock_takes_the_median_so_a_step_carrying_a_round_does_not_str
 @pytest.mark.swarm
 @pytest.mark.flaky(reruns=1)
 def test_a_swarm_whose_steps_outlast_matchmaking_meets_in_one_group_and_stays_one_model(swarm_factory, tmp_path):
-    """End to end: five real volunteers whose 5 s steps outlast matchmaking (3 s) meet in rounds
+    """End to end: five real volunteers whose 4 s steps outlast matchmaking (3 s) meet in rounds
     that hold the swarm and end as one model. It does not prove the booking itself: after their
     first round, real peers step in phase and meet with or without it (a run with booking switched
     off passed too). When a peer books is checked by the in-process tests above, deterministically;
@@ -95,13 +95,13 @@ def test_a_swarm_whose_steps_outlast_matchmaking_meets_in_one_group_and_stays_on
     from safetensors.torch import load_file
 
     names = [f"v{i}" for i in range(1, 6)]
-    epochs = 5
+    epochs = 4
     swarm = swarm_factory(swarm={"target_batch_size": 8 * len(names) * 2, "lr": 0.01, "warmup_epochs": 1,
                                  "total_epochs": 100, "matchmaking_time_s": 3.0, "averaging_timeout_s": 60.0,
                                  "checkpoint_every_epochs": 100})
     swarm.start_coordinator(timeout=300)
     for name in names:
-        swarm.join(name, batch_size=8, max_epochs=epochs, extra=["--simulated-step-s", "5"])
+        swarm.join(name, batch_size=8, max_epochs=epochs, extra=["--simulated-step-s", "4"])
     codes = {name: swarm.procs[name].wait(timeout=420) for name in names}
     assert codes == dict.fromkeys(names, 0), {n: swarm.log(n)[-3000:] for n, c in codes.items() if c}
     rounds = {name: {r["epoch"]: r for r in swarm.summary(name)["rounds"]} for name in names}

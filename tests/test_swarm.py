@@ -181,7 +181,7 @@ def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once
 # A small data set (300 rows in two shards) served by the coordinator: each peer starts a new pass
 # over it, and fetches the shards again, every few seconds, so a coordinator outage certainly hits
 # fetches (the test checks the peers' logs to be sure it did). `tiny` with the shapes tokenizer's codes.
-OUTAGE_S = 25.0
+OUTAGE_S = 18.0
 SHAPES_MODEL = ["--model", "image_vocab_size=1280", "--model", "image_code_factors=[256,5]"]
 
 
@@ -280,7 +280,7 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     at_restart = swarm.status()["epoch"]
     swarm.wait_epoch(at_restart + 2, 240)
     assert swarm.status()["last_checkpoint_epoch"] > killed_at
-    # ... and the data streams again: at the next retry, at most retry_max_delay_s (30 s) after the
+    # ... and the data streams again: at the next retry, at most retry_max_delay_s (10 s) after the
     # last, later when the shuffle buffer pulls rows in bursts (up to half of it between pulls).
     deadline = time.monotonic() + 120
     while not all("answers again" in swarm.log(n)[at_kill[n]:] for n in peers):

@@ -48,7 +48,10 @@ class StreamConfig:
     shard fetch that fails transiently (connection refused or reset, timeout, HTTP 5xx/408/429)
     while the source's manifest does not answer either is retried with back-off (1 s, doubling,
     at most ``retry_max_delay_s``); meanwhile the peer trains on the last ``replay_rows`` rows it
-    read, so it keeps stepping and averaging. After ``outage_patience_s`` without an answer the
+    read, so it keeps stepping and averaging. A retry is one HEAD of the manifest (and the shard's
+    GET once it answers), so 10 s between retries lets volunteers resume within seconds of a
+    coordinator's restart at about 100 small requests a second for 1,000 volunteers during the
+    outage only; raise it for a larger swarm behind a small server. After ``outage_patience_s`` without an answer the
     stream stops with an error naming the source. If volunteers leave during planned
     maintenance, raise ``outage_patience_s`` (``crowdtrain join --data-outage-patience-s``); if a
     peer's memory is tight, lower ``replay_rows`` (a row is about 2 bytes per image code plus its
@@ -60,7 +63,7 @@ class StreamConfig:
     shuffle_buffer: int = 2048
     http_timeout_s: float = 30.0
     outage_patience_s: float = 600.0
-    retry_max_delay_s: float = 30.0
+    retry_max_delay_s: float = 10.0
     replay_rows: int = 10_000
     min_caption_chars: int = 3  # the paper drops captions shorter than this
     max_aspect_ratio: float = 2.0  # ... and images more elongated than this
