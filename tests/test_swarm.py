@@ -181,7 +181,7 @@ def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once
 # A small data set (300 rows in two shards) served by the coordinator: each peer starts a new pass
 # over it, and fetches the shards again, every few seconds, so a coordinator outage certainly hits
 # fetches (the test checks the peers' logs to be sure it did). `tiny` with the shapes tokenizer's codes.
-OUTAGE_S = 18.0
+OUTAGE_S = 25.0
 SHAPES_MODEL = ["--model", "image_vocab_size=1280", "--model", "image_code_factors=[256,5]"]
 
 
