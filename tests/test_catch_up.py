@@ -365,7 +365,7 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
     opt = SwarmOptimizer.__new__(SwarmOptimizer)
     seam.hooks, opt.hivemind = opt, seam
     seam._parent_pid = None  # not started: nothing for hivemind to shut down
-    seam.average_state_every, opt.final_epoch = 3, 6
+    seam.average_state_every, opt.final_epoch, opt.leaving = 3, 6, None
     opt.catch_up = CatchUp()
     seam.tracker = SimpleNamespace(global_epoch=0, global_progress=SimpleNamespace(num_peers=2))
     seam.state_averager = SimpleNamespace(local_epoch=4)
@@ -381,6 +381,19 @@ def test_the_step_into_a_peers_last_epoch_does_not_average_state(monkeypatch):
     opt.final_epoch = None  # no --max-epochs: every step as hivemind does
     seam._update_global_epoch(None)
     assert seen == [True]
+    # Ctrl-C (or SIGTERM) during a step: that step is the last, whatever the epoch. A state round
+    # there would hold the leaving peer for up to an averaging timeout (seen: 27 s, its groupmates
+    # gone) and lose it mid-way otherwise.
+    seen.clear()
+    opt.leaving = threading.Event()
+    seam._update_global_epoch(None)
+    seam._maybe_schedule_state_averaging()
+    assert seen == [True, "scheduled"], "not leaving: as hivemind does"
+    seen.clear()
+    opt.leaving.set()
+    seam._update_global_epoch(None)
+    seam._maybe_schedule_state_averaging()
+    assert seen == [False] and seam.average_state_every == 3, "leaving after this step: no state round"
 
 
 def _partial(finished_after: int | None, deadline_s: float):

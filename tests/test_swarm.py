@@ -235,10 +235,10 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     assert "Downloading parameters from peer" not in at_join, "only the state: no gradient buffers"
 
     # The coordinator goes down (SIGTERM to its top process: its auxiliary peer ends with it) and
-    # stays down for OUTAGE_S, once all three peers train (the newcomer's stream open: a stream
-    # opened during an outage waits for its manifest, tests/test_data_streaming.py). The logs'
-    # lengths are taken before: a peer may fail its first fetch while the coordinator is still
-    # shutting down.
+    # stays down for OUTAGE_S or more, once all three peers train (the newcomer's stream open: a
+    # stream opened during an outage waits for its manifest, tests/test_data_streaming.py). The
+    # logs' lengths are taken before: a peer may fail its first fetch while the coordinator is
+    # still shutting down.
     peers = ("a", "b", "newcomer")
     swarm.wait_in_step(list(peers), 180)
     swarm.wait_epoch(swarm.status()["epoch"] + 1, 90)
@@ -249,7 +249,15 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     os.kill(swarm.procs["coordinator"].pid, signal.SIGTERM)
     down_unix = time.time()
     swarm.procs["coordinator"].wait(timeout=60)
-    time.sleep(max(0.0, down_unix + OUTAGE_S - time.time()))  # nothing to poll for while it is down
+    # Down for OUTAGE_S at least, and until every peer has failed a fetch: a peer reads shards in
+    # bursts (its shuffle buffer refills 1,024 rows at a time, every 20 s or more at this pace, and
+    # longer when rounds stall), so a fixed outage can fall between two of a peer's bursts.
+    def failed_a_fetch(name: str) -> bool:
+        return "does not answer" in swarm.log(name)[at_kill[name]:]
+
+    while time.time() < down_unix + OUTAGE_S or not all(failed_a_fetch(n) for n in peers):
+        assert time.time() < down_unix + OUTAGE_S + 90, {n: swarm.log(n)[at_kill[n]:][-2000:] for n in peers}
+        time.sleep(1)
     for name in peers:
         assert swarm.procs[name].poll() is None, f"{name} died during the outage:\n{swarm.log(name)[-3000:]}"
     wait_for_groups_to_end(signalled, 30)

@@ -11,6 +11,7 @@ joiner uses exactly the rate everyone else does.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from functools import partial
 from typing import Callable
@@ -160,12 +161,13 @@ class SwarmOptimizer(RoundHooks):
 
     def __init__(self, *, access_guard: AccessGuard | None = None, give_up_s: float = 600.0,
                  signer: RSASignatureValidator | None = None, final_epoch: int | None = None,
-                 state_uploads: dict | None = None, **hivemind_kwargs):
+                 leaving: threading.Event | None = None, state_uploads: dict | None = None, **hivemind_kwargs):
         self.give_up_s = give_up_s
         self.rounds = RoundLog()
         self.catch_up = CatchUp()
         self.signer = signer
         self.final_epoch = final_epoch  # this peer leaves on reaching it (``join --max-epochs``)
+        self.leaving = leaving  # set when this peer leaves after the step under way (Ctrl-C, SIGTERM)
         self._published = None  # the store of our latest round record
         self.ledger = swarm_metrics.Ledger()
         # hivemind.Optimizer's arguments (hivemind_kwargs) and the seam's: the averagers' access guard
@@ -207,6 +209,8 @@ class SwarmOptimizer(RoundHooks):
         self.hivemind.shutdown()
 
     def _last_step_ahead(self) -> bool:
+        if self.leaving is not None and self.leaving.is_set():
+            return True  # the step under way is our last: as at --max-epochs, with no epoch to wait for
         next_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
         return self.final_epoch is not None and next_epoch >= self.final_epoch
 
@@ -486,13 +490,16 @@ class SwarmOptimizer(RoundHooks):
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,
                     client_mode: bool = False, auxiliary: bool = False, verbose: bool = False, attack=None,
                     access_guard: AccessGuard | None = None, signer: RSASignatureValidator | None = None,
-                    final_epoch: int | None = None, upload_delay_s: float = 0.0, schedule: Schedule | None = None):
+                    final_epoch: int | None = None, leaving: threading.Event | None = None,
+                    upload_delay_s: float = 0.0, schedule: Schedule | None = None):
     """The run's optimizer for its ``mode``: SwarmOptimizer (sync) or DiLoCoOptimizer (diloco).
 
     ``attack`` (``crowdtrain.swarm.attacks``, tests only) crafts what this peer sends. ``signer``
     (this peer's, from ``crowdtrain.swarm.metrics.make_validators``) signs its round records.
     ``final_epoch``: the epoch at which this peer will leave (sync mode skips the state round there;
-    DiLoCo mode starts no round past it). ``upload_delay_s`` (tests only): hold each state this
+    DiLoCo mode starts no round past it). ``leaving``: set when the peer leaves after its current
+    step (sync mode skips that step's state round: the leaving peer would wait for it up to an
+    averaging timeout, in vain when its groupmates leave too). ``upload_delay_s`` (tests only): hold each state this
     peer sends (``crowdtrain.swarm.hivemind_seam.state.StateUploadLimit``). ``schedule``: the
     learning-rate schedule the optimizer reads at each step (``crowdtrain.optim.Schedule``; default:
     the config's, fixed), which a volunteer moves when the organizer extends the run.
@@ -506,7 +513,7 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
     compression = PaperCompression(config.compression_threshold)
     return SwarmOptimizer(
         access_guard=access_guard, give_up_s=config.load_state_give_up_s, signer=signer, final_epoch=final_epoch,
-        state_uploads=uploads,
+        leaving=leaving, state_uploads=uploads,
         dht=dht, run_id=config.run_id, target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
         optimizer=partial(make_lamb, config=config), params=param_groups(model, config.weight_decay),

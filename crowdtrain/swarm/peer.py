@@ -189,7 +189,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
                                         access_guard=access.guard, attack=attack_from_fault(config.fault),
                                         upload_delay_s=upload_delay_from_fault(config.fault),
                                         signer=signer, final_epoch=watch.final_epoch(config.max_epochs),
-                                        schedule=schedule)
+                                        leaving=stop_event, schedule=schedule)
     except BaseException:
         threads.leave()
         _abandon_start_up(dht, access, threads_before)
