@@ -49,10 +49,11 @@ class StreamConfig:
     while the source's manifest does not answer either is retried with back-off (1 s, doubling,
     at most ``retry_max_delay_s``); meanwhile the peer trains on the last ``replay_rows`` rows it
     read, so it keeps stepping and averaging. A retry is one HEAD of the manifest (and the shard's
-    GET once it answers), so 10 s between retries lets volunteers resume within seconds of a
-    coordinator's restart at about 100 small requests a second for 1,000 volunteers during the
-    outage only; raise it for a larger swarm behind a small server. After ``outage_patience_s`` without an answer the
-    stream stops with an error naming the source. If volunteers leave during planned
+    GET once it answers): 10 s between retries costs the server about 100 small requests a second
+    for 1,000 volunteers, during an outage only; raise it for a larger swarm behind a small server.
+    A peer retries only when its shuffle buffer asks for rows (``datasets`` refills 1,024 at a
+    time), so a slow one resumes later than its back-off says. After ``outage_patience_s`` without
+    an answer the stream stops with an error naming the source. If volunteers leave during planned
     maintenance, raise ``outage_patience_s`` (``crowdtrain join --data-outage-patience-s``); if a
     peer's memory is tight, lower ``replay_rows`` (a row is about 2 bytes per image code plus its
     caption: ~2 KB at the paper's 32x32 grid, so 20 MB for 10,000 rows). A shard that fails while

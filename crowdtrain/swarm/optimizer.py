@@ -499,10 +499,11 @@ def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConf
     ``final_epoch``: the epoch at which this peer will leave (sync mode skips the state round there;
     DiLoCo mode starts no round past it). ``leaving``: set when the peer leaves after its current
     step (sync mode skips that step's state round: the leaving peer would wait for it up to an
-    averaging timeout, in vain when its groupmates leave too). ``upload_delay_s`` (tests only): hold each state this
-    peer sends (``crowdtrain.swarm.hivemind_seam.state.StateUploadLimit``). ``schedule``: the
-    learning-rate schedule the optimizer reads at each step (``crowdtrain.optim.Schedule``; default:
-    the config's, fixed), which a volunteer moves when the organizer extends the run.
+    averaging timeout, in vain when its groupmates leave too). ``upload_delay_s`` (tests only):
+    hold each state this peer sends (``crowdtrain.swarm.hivemind_seam.state.StateUploadLimit``).
+    ``schedule``: the learning-rate schedule the optimizer reads at each step
+    (``crowdtrain.optim.Schedule``; default: the config's, fixed), which a volunteer moves when the
+    organizer extends the run.
     """
     check_hivemind_version()
     uploads = {"max_state_uploads": config.max_state_uploads, "upload_delay_s": upload_delay_s}
