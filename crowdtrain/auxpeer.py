@@ -492,12 +492,16 @@ class AuxPeer:
         except Exception as e:  # samples are a nicety: never let them stop the checkpointer
             logger.warning("could not make samples for %s: %r", checkpoint, e)
 
-    def run(self, refresh_s: float = 2.0) -> None:
+    def run(self, refresh_s: float | None = None) -> None:
         """Collect every ``refresh_s`` in this thread, checkpoint in another. A checkpoint (a state
         download, the held-out evaluation, the sample images) takes seconds on the tiny model and
         minutes on a large one; collecting waits for none of it, so the status, the leaderboard and
-        the records of leaving peers (which live a minute in the DHT) stay current meanwhile."""
+        the records of leaving peers (which live a minute in the DHT) stay current meanwhile.
+        ``refresh_s`` defaults to the coordinator's ``--collect-every-s``."""
+        if refresh_s is None:
+            refresh_s = float(self.spec.get("collect_every_s", 2.0))
         self.announce()
+        logger.info("reading the volunteers' records every %g s", refresh_s)
         self._live: list[swarm_metrics.PeerMetrics] | None = None
         self._collected = threading.Event()
         checkpointer = threading.Thread(target=self._checkpoint_loop, args=(refresh_s,), name="checkpointer",

@@ -67,6 +67,10 @@ class _DropHivemindTaskReports(logging.Filter):
       formed, its cancel already delivered). The trainer follows every step through its control,
       not through these tasks: a step that vanished ends as a failed round at its timeout, which
       the round log and the dashboard show.
+    - An averaging step that failed because its connection to this peer's own p2p daemon was reset
+      (the daemon closes its streams as the peer leaves, seen on Ctrl-C while a round was looking
+      for a group). hivemind hands the error to the step's control before the task ends, so the
+      trainer already counted the round as failed; a step failing any other way is kept.
     """
 
     # (how the report starts, what its error or text says, where the task ran: None for anywhere)
@@ -75,7 +79,8 @@ class _DropHivemindTaskReports(logging.Filter):
                 ("Unhandled exception in client_connected_cb", "cannot reuse already awaited coroutine", None),
                 ("Task exception was never retrieved", "aclose(): asynchronous generator is already running", None),
                 ("Task exception was never retrieved", "Can't set_result to a future that is CANCELLED",
-                 "DecentralizedAverager._step()"))
+                 "DecentralizedAverager._step()"),
+                ("Task exception was never retrieved", "Connection reset by peer", "DecentralizedAverager._step()"))
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
@@ -85,6 +90,19 @@ class _DropHivemindTaskReports(logging.Filter):
                     and (where is None or where in text)):
                 return False
         return True
+
+
+class _DropResetLeaderRequests(logging.Filter):
+    """hivemind's report of a request to a would-be group leader that failed because the connection
+    to this peer's own p2p daemon was reset, which it logs with a traceback as it cancels the
+    request: the daemon closes its streams as the peer leaves (seen on Ctrl-C, the leader leaving
+    at the same moment). Matchmaking counts the request as failed either way; any other failure of
+    it, or of another task, is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, ConnectionResetError)
+                    and "Matchmaking._request_join_potential_leaders()" in str(record.msg))
 
 
 def drop_exit_noise() -> None:
@@ -105,6 +123,9 @@ def drop_known_noise() -> None:
     dht = logging.getLogger("hivemind.dht.dht")
     if not any(isinstance(f, _DropRequestsOfExitedSenders) for f in dht.filters):
         dht.addFilter(_DropRequestsOfExitedSenders())
+    cancelled = logging.getLogger("hivemind.utils.asyncio")  # hivemind's await_cancelled reports here
+    if not any(isinstance(f, _DropResetLeaderRequests) for f in cancelled.filters):
+        cancelled.addFilter(_DropResetLeaderRequests())
     asyncio = logging.getLogger("asyncio")
     if not any(isinstance(f, _DropHivemindTaskReports) for f in asyncio.filters):
         asyncio.addFilter(_DropHivemindTaskReports())

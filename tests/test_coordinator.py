@@ -142,6 +142,15 @@ def test_swarm_config_validates_and_rejects_unknown_settings():
     assert SwarmConfig.from_dict(SwarmConfig().to_dict()) == SwarmConfig()
 
 
+@pytest.mark.parametrize("seconds", [0.0, 0.1, 31.0, float("nan")])
+def test_a_collect_interval_a_leaving_peers_record_could_outlive_is_refused(seconds):
+    from crowdtrain.coordinator.run import CoordinatorConfig
+
+    with pytest.raises(ValueError, match="--collect-every-s must be between 0.2 and 30 s"):
+        CoordinatorConfig(run_id="t", data="shapes", run_dir="run", collect_every_s=seconds)
+    assert CoordinatorConfig(run_id="t", data="shapes", run_dir="run", collect_every_s=30).collect_every_s == 30
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     run = tmp_path / "run"

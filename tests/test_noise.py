@@ -62,6 +62,35 @@ def test_a_cancelled_averaging_step_that_finished_anyway_is_not_reported_and_oth
     assert _reported(failed, caplog), "another failure of hivemind's averaging step is reported"
 
 
+def test_a_step_whose_own_p2p_daemon_reset_its_connection_on_leaving_is_not_reported_and_others_are(caplog):
+    """What a volunteer Ctrl-C'd while looking for a group printed: its p2p daemon closed the
+    streams, and hivemind's step and its request to a leader failed with a reset connection."""
+    drop_known_noise()
+    reset = ConnectionResetError(104, "Connection reset by peer")
+    step = _Task("DecentralizedAverager._step() done, defined at /venv/lib/python3.11/site-packages/hivemind/"
+                 "averaging/averager.py:421")
+    assert _reported({"message": "Task exception was never retrieved", "exception": reset, "future": step},
+                     caplog) == []
+    ours = _Task("DiLoCoOptimizer._outer_round() done, defined at /work/crowdtrain/swarm/diloco.py:600")
+    assert _reported({"message": "Task exception was never retrieved", "exception": reset, "future": ours}, caplog)
+
+    hivemind_asyncio = logging.getLogger("hivemind.utils.asyncio")  # where hivemind's await_cancelled reports
+    leader = _Task("Matchmaking._request_join_potential_leaders() done, defined at /venv/lib/python3.11/"
+                   "site-packages/hivemind/averaging/matchmaking.py:145")
+    other = _Task("Matchmaking._declare_for_download_periodically() done, defined at /venv/lib/python3.11/"
+                  "site-packages/hivemind/averaging/matchmaking.py:300")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="hivemind.utils.asyncio"):
+        for task, error in [(leader, reset), (leader, ValueError("bad leader")), (other, reset)]:
+            try:
+                raise error
+            except Exception:
+                hivemind_asyncio.exception(f"Exception in {task}:")  # as hivemind's await_cancelled does
+    reported = [r.getMessage() for r in caplog.records if r.name == "hivemind.utils.asyncio"]
+    assert reported == [f"Exception in {leader}:", f"Exception in {other}:"], \
+        "only the leader request's reset is dropped: its other failures and other tasks' resets are kept"
+
+
 def test_a_lost_averaging_step_is_not_reported(caplog):
     drop_known_noise()
     site = "/venv/lib/python3.11/site-packages/hivemind/averaging/"

@@ -51,6 +51,10 @@ def register(subparsers) -> None:
                    help="rate limit on token requests per API key (per client address without a valid key)")
     p.add_argument("--samples-every", type=int, default=1, metavar="N",
                    help="generate gallery samples from every N-th checkpoint (0: never)")
+    p.add_argument("--collect-every-s", type=float, default=2.0, metavar="S",
+                   help="how often the auxiliary peer reads the volunteers' records into the dashboard, the "
+                        "leaderboard and /api/status (0.2-30 s); each read fetches every volunteer's record: "
+                        "raise it for swarms of hundreds")
     p.add_argument("--sample-prompts", default=None, metavar="FILE",
                    help="prompts of the gallery samples: one a line, optionally tagged ('[held-out] a blue "
                         "apple'); default: the shapes data's seen and held-out prompts, or for other data "
@@ -89,7 +93,8 @@ def _coordinator(args) -> int:
         swarm_preset=args.swarm_preset, swarm_overrides=parse_overrides(args.swarm, flag="--swarm"),
         model_overrides=parse_overrides(args.model, flag="--model"), db=args.db, auth=args.auth,
         token_lifetime_s=args.token_lifetime_s, token_requests_per_minute=args.token_requests_per_minute,
-        samples_every_checkpoints=args.samples_every, sample_prompts=args.sample_prompts,
+        samples_every_checkpoints=args.samples_every, collect_every_s=args.collect_every_s,
+        sample_prompts=args.sample_prompts,
         text_tokenizer=args.text_tokenizer, image_tokenizer=args.image_tokenizer,
         time_budget_s=parse_duration(args.time_budget) if args.time_budget is not None else None)
     return run_coordinator(config)

@@ -64,6 +64,10 @@ class CoordinatorConfig:
     token_lifetime_s: float = 600.0  # a revoked user's peers are out within this time
     token_requests_per_minute: int = 120  # per API key (per address without one), on /api/token
     samples_every_checkpoints: int = 1  # gallery images from every N-th checkpoint (0: never)
+    # How often the auxiliary peer reads the volunteers' records (the dashboard's, leaderboard's and
+    # /api/status's freshness). Each read fetches every volunteer's record, about 2.8 kB, from each
+    # of the metrics key's replicas: raise it for swarms of hundreds (docs/road-to-a-thousand.md).
+    collect_every_s: float = 2.0
     sample_prompts: str | None = None  # a prompts file (crowdtrain.data.sample_prompts); default: from the data
     # Train for this long instead of a given total_epochs: the auxiliary peer sizes the total from
     # the swarm's measured pace (crowdtrain.runspec.schedule).
@@ -84,6 +88,9 @@ class CoordinatorConfig:
             raise ValueError(f"--swarm-preset must be one of {sorted(SWARM_PRESETS)}, got {self.swarm_preset!r}")
         if self.keep_checkpoints < 1:
             raise ValueError("--keep-checkpoints must be >= 1")
+        # A leaving volunteer's last record lives a minute in the DHT: read within that, twice.
+        if not 0.2 <= self.collect_every_s <= 30:
+            raise ValueError(f"--collect-every-s must be between 0.2 and 30 s, got {self.collect_every_s}")
         if self.valid_rows < 0:
             raise ValueError("--valid-rows must be >= 0 (0: no validation loss at checkpoints)")
         if self.port == self.dht_port:
@@ -185,6 +192,7 @@ def build_spec(config: CoordinatorConfig, shards_dir: Path | None) -> dict:
         "assets": assets,
         "db_url": config.db,
         "samples_every_checkpoints": config.samples_every_checkpoints,
+        "collect_every_s": config.collect_every_s,
         "sample_prompts": sample_prompts_for(config, shards_dir) if needs_tokenizer else [],
         "auth": {"mode": config.auth, "key_path": str(config.key_path.resolve()),
                  "coordinator_public_key": CoordinatorKey.load_or_create(config.key_path).public_key.decode(),
