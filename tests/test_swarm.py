@@ -178,10 +178,11 @@ def test_a_storm_of_newcomers_spreads_over_the_donors_and_all_contribute_at_once
     assert sum(u["sent"] for u in storm["uploads"].values()) >= 3, storm["uploads"]
 
 
-# A small data set (300 rows in two shards) served by the coordinator: each peer starts a new pass
-# over it, and fetches the shards again, every few seconds, so a coordinator outage certainly hits
-# fetches (the test checks the peers' logs to be sure it did). `tiny` with the shapes tokenizer's codes.
-OUTAGE_S = 25.0
+# A small data set (300 rows in two shards) served by the coordinator: a peer fetches the shards
+# again at each pass over it, as its shuffle buffer refills (the churn run's peers every few
+# steps), so a coordinator outage certainly hits fetches (the test checks the peers' logs to be
+# sure it did). `tiny` with the shapes tokenizer's codes.
+OUTAGE_S = 15.0
 SHAPES_MODEL = ["--model", "image_vocab_size=1280", "--model", "image_code_factors=[256,5]"]
 
 
@@ -203,8 +204,12 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     swarm = swarm_factory(data=str(shards), swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000})
     first = swarm.start_coordinator(extra=SHAPES_MODEL)
     assert first["task"]["data"].endswith("/shards"), "the volunteers stream from the coordinator"
+    # A peer reads shards only as its shuffle buffer refills, half of it at a time: 128 rows (every
+    # few steps) with this buffer, so each peer meets the outage and the source's return within
+    # seconds (1,024 rows by default: 20 s or more apart at this pace).
+    stream = ["--shuffle-buffer", "256"]
     for name in ("a", "b", "victim"):
-        swarm.join(name, batch_size=16, max_epochs=1000)
+        swarm.join(name, batch_size=16, max_epochs=1000, extra=stream)
     swarm.wait_epoch(3, 180)
     # SIGKILL to the victim's top process only, as the OOM killer does: the others go on within one
     # averaging timeout, and the victim's own DHT, averager and p2p daemon processes end too.
@@ -216,7 +221,7 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     killed_at = swarm.status()["epoch"]
     swarm.wait_epoch(killed_at + 2, 30 + 90)
 
-    swarm.join("newcomer", batch_size=16, max_epochs=1000)
+    swarm.join("newcomer", batch_size=16, max_epochs=1000, extra=stream)
     deadline = time.monotonic() + 180
     while "joined run" not in swarm.log("newcomer"):
         assert time.monotonic() < deadline, swarm.log("newcomer")[-3000:]
@@ -250,8 +255,7 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     down_unix = time.time()
     swarm.procs["coordinator"].wait(timeout=60)
     # Down for OUTAGE_S at least, and until every peer has failed a fetch: a peer reads shards in
-    # bursts (its shuffle buffer refills 1,024 rows at a time, every 20 s or more at this pace, and
-    # longer when rounds stall), so a fixed outage can fall between two of a peer's bursts.
+    # bursts (above; further apart when rounds stall), so a fixed outage can fall between two.
     def failed_a_fetch(name: str) -> bool:
         return "does not answer" in swarm.log(name)[at_kill[name]:]
 
@@ -289,7 +293,7 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     swarm.wait_epoch(at_restart + 2, 240)
     assert swarm.status()["last_checkpoint_epoch"] > killed_at
     # ... and the data streams again: at the next retry, at most retry_max_delay_s (10 s) after the
-    # last, later when the shuffle buffer pulls rows in bursts (up to half of it between pulls).
+    # last, and at the shuffle buffer's next refill.
     deadline = time.monotonic() + 120
     while not all("answers again" in swarm.log(n)[at_kill[n]:] for n in peers):
         assert time.monotonic() < deadline, {n: swarm.log(n)[-1500:] for n in peers}

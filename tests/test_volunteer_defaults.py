@@ -68,8 +68,9 @@ def test_device_batch_and_precision_flags_are_checked_when_given():
     config = VolunteerConfig("http://c")
     assert (config.device, config.batch_size, config.torch_threads) == ("auto", "auto", None)
     for bad in (dict(device="gpu"), dict(device="cuda:x"), dict(batch_size=0), dict(batch_size="big"),
-                dict(batch_size=2.5), dict(torch_threads=0), dict(precision="fp8")):
-        with pytest.raises(ValueError, match="--device|--batch-size|--threads|--precision"):
+                dict(batch_size=2.5), dict(torch_threads=0), dict(precision="fp8"), dict(shuffle_buffer=0),
+                dict(shuffle_buffer=1.5)):
+        with pytest.raises(ValueError, match="--device|--batch-size|--threads|--precision|--shuffle-buffer"):
             VolunteerConfig("http://c", **bad)
     from crowdtrain.cli import build_parser
 

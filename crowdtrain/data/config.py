@@ -51,14 +51,15 @@ class StreamConfig:
     read, so it keeps stepping and averaging. A retry is one HEAD of the manifest (and the shard's
     GET once it answers): 10 s between retries costs the server about 100 small requests a second
     for 1,000 volunteers, during an outage only; raise it for a larger swarm behind a small server.
-    A peer retries only when its shuffle buffer asks for rows (``datasets`` refills 1,024 at a
-    time), so a slow one resumes later than its back-off says. After ``outage_patience_s`` without
-    an answer the stream stops with an error naming the source. If volunteers leave during planned
-    maintenance, raise ``outage_patience_s`` (``crowdtrain join --data-outage-patience-s``); if a
-    peer's memory is tight, lower ``replay_rows`` (a row is about 2 bytes per image code plus its
-    caption: ~2 KB at the paper's 32x32 grid, so 20 MB for 10,000 rows). A shard that fails while
-    the source answers (corrupt, truncated, 4xx, or a 5xx on that file only) is skipped for the
-    epoch, logged once and counted, as before.
+    A peer retries only when its shuffle buffer asks for rows (``datasets`` refills half of it at a
+    time: 1,024 rows), so a slow one resumes later than its back-off says; a smaller buffer reads
+    in smaller, more frequent pieces (``crowdtrain join --shuffle-buffer``). After
+    ``outage_patience_s`` without an answer the stream stops with an error naming the source. If
+    volunteers leave during planned maintenance, raise ``outage_patience_s`` (``crowdtrain join
+    --data-outage-patience-s``); if a peer's memory is tight, lower ``replay_rows`` (a row is about
+    2 bytes per image code plus its caption: ~2 KB at the paper's 32x32 grid, so 20 MB for 10,000
+    rows). A shard that fails while the source answers (corrupt, truncated, 4xx, or a 5xx on that
+    file only) is skipped for the epoch, logged once and counted.
     """
 
     shuffle_buffer: int = 2048

@@ -46,6 +46,10 @@ def register(subparsers) -> None:
     p.add_argument("--data-outage-patience-s", type=float, default=600.0,
                    help="how long the run's data source (the coordinator's shards) may stay unreachable before "
                         "this peer gives up; meanwhile it retries with back-off and trains on rows already read")
+    p.add_argument("--shuffle-buffer", type=int, default=2048, metavar="ROWS",
+                   help="rows of the stream held in memory to shuffle it (about 2 KB each at the paper's 32x32 "
+                        "codes); it refills half at a time, and a smaller one reads the shards in smaller, "
+                        "more frequent pieces")
     p.add_argument("--summary-file", default=None, help="write a JSON summary of this peer's run here")
     p.add_argument("--save-final", default=None, help="save the final parameters (safetensors) here")
     p.add_argument("--model", action="append", metavar="KEY=VALUE",
@@ -83,7 +87,7 @@ def _join(args) -> int:
         client_mode=args.client_mode, host=args.host, max_epochs=args.max_epochs, max_minutes=args.minutes,
         user=args.user, api_key=args.key or os.environ.get("CROWDTRAIN_KEY"), identity=args.identity,
         simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
-        data_outage_patience_s=args.data_outage_patience_s,
+        data_outage_patience_s=args.data_outage_patience_s, shuffle_buffer=args.shuffle_buffer,
         summary_file=args.summary_file, save_final=args.save_final,
         model_overrides=parse_overrides(args.model, flag="--model"), fault=args.inject_fault, verbose=args.verbose)
     base = config.coordinator_url.rstrip("/")

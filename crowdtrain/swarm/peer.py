@@ -146,7 +146,8 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
     from crowdtrain.data.config import StreamConfig
 
     task = DalleTask(model_config, data=info["task"]["data"], text_tokenizer=tokenizer,
-                     stream_config=StreamConfig(outage_patience_s=config.data_outage_patience_s))
+                     stream_config=StreamConfig(outage_patience_s=config.data_outage_patience_s,
+                                                shuffle_buffer=config.shuffle_buffer))
 
     device = torch.device(config.device)
     stop_event = stop or threading.Event()

@@ -39,6 +39,8 @@ class VolunteerConfig:
     # How long the run's data source (the coordinator's shards) may stay unreachable before this
     # peer gives up; meanwhile it retries and trains on rows already read (crowdtrain.data.config.StreamConfig).
     data_outage_patience_s: float = 600.0
+    # Rows of the stream held to shuffle it (crowdtrain.data.config.StreamConfig.shuffle_buffer).
+    shuffle_buffer: int = 2048
     verbose: bool = False
 
     def __post_init__(self):
@@ -56,6 +58,8 @@ class VolunteerConfig:
             raise ValueError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if not self.data_outage_patience_s >= 0:
             raise ValueError(f"--data-outage-patience-s must be >= 0 seconds, got {self.data_outage_patience_s}")
+        if not (type(self.shuffle_buffer) is int and self.shuffle_buffer >= 1):
+            raise ValueError(f"--shuffle-buffer must be an integer >= 1 (1: no shuffling), got {self.shuffle_buffer!r}")
         from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
 
         if not valid_user_name(self.user) or self.user == "coordinator":  # the coordinator refuses it too
