@@ -191,11 +191,17 @@ class LocalSwarm:
         self.procs[name] = spawn(cli(*args), self.tmp / f"{name}.log", env=self.env)
         return self.procs[name]
 
-    def start_coordinator(self, timeout: float = 120.0, extra: list[str] = ()) -> dict:
+    def start_coordinator(self, timeout: float = 120.0, extra: list[str] = (), *, wait: bool = True) -> dict | None:
+        """Its join information once it answers; with ``wait=False``, None at once (start several,
+        then :meth:`coordinator_info` each: their start-ups overlap). Call from the thread that
+        outlives the coordinator: it ends with the thread that started it (``die_with_parent``)."""
         self._spawn("coordinator", coordinator_args(
             run_id="test", preset=self.preset, data=self.data, host="127.0.0.1", port=self.port,
             dht_port=self.dht_port, run_dir=self.run_dir, swarm=self.swarm,
             extra=["--samples-every", str(self.samples_every), *extra]))
+        return self.coordinator_info(timeout) if wait else None
+
+    def coordinator_info(self, timeout: float = 120.0) -> dict:
         return wait_for_coordinator(self.url, self.procs["coordinator"], timeout, self.tmp / "coordinator.log")
 
     def join(self, name: str, *, batch_size: int, max_epochs: int, extra: list[str] = ()) -> subprocess.Popen:

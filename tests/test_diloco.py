@@ -1,7 +1,5 @@
 """DiLoCo mode and robust aggregation with real processes on 127.0.0.1 (`tiny`, pattern data)."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -183,8 +181,10 @@ def test_overlapped_outer_rounds_agree_and_centered_clip_holds_off_a_scaling_att
     attacked.tmp = tmp_path / "attacked"
     attacked.tmp.mkdir()
     attacked.run_dir = attacked.tmp / "run"
-    with ThreadPoolExecutor(2) as pool:  # both start-ups at once: each mostly waits on imports
-        list(pool.map(lambda swarm: swarm.start_coordinator(), (overlapped, attacked)))
+    for swarm in (overlapped, attacked):  # both start-ups at once: each mostly waits on imports
+        swarm.start_coordinator(wait=False)
+    for swarm in (overlapped, attacked):
+        swarm.coordinator_info()
     overlapped_epochs, attacked_epochs = 6, 4
     # Steps of 0.2 s or more: peers reach the sync point up to a tracker refresh apart, so the
     # first to start a round waits for the others for several of its own steps.
