@@ -54,6 +54,7 @@ from crowdtrain.swarm.auth import (AccessGuard, LocalTokenSource, SwarmAuthorize
                                    load_identity, refresh_margin_s, refresh_retry_max_s)
 from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.swarm.hivemind_seam import check_hivemind_version
+from crowdtrain.swarm.hivemind_seam.p2p import guard_request_pipe
 from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager, set_state_epoch
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.optimizer import make_scheduler
@@ -166,19 +167,24 @@ class AuxPeer:
     @staticmethod
     def _start_dht(spec: dict, validators: list, initial_peers: list[str], authorizer) -> hivemind.DHT:
         kwargs = dict(host_maddrs=[f"/ip4/{spec['dht_host']}/tcp/{spec['dht_port']}"], identity_path=spec["identity"],
-                      record_validators=validators, authorizer=authorizer, start=True)
+                      record_validators=validators, authorizer=authorizer)
         public = spec.get("public_host")
         if public and public not in ("127.0.0.1", "localhost", spec["dht_host"]) and _is_ipv4(public):
             # Behind NAT (e.g. a cloud VM): announce the address volunteers can reach, not the private one.
             kwargs["announce_maddrs"] = [f"/ip4/{public}/tcp/{spec['dht_port']}"]
+        def start(**more) -> hivemind.DHT:
+            dht = guard_request_pipe(hivemind.DHT(start=False, **kwargs, **more))
+            dht.run_in_background(await_ready=True)
+            return dht
+
         if initial_peers:
             try:
-                dht = hivemind.DHT(initial_peers=initial_peers, ensure_bootstrap_success=False, **kwargs)
+                dht = start(initial_peers=initial_peers, ensure_bootstrap_success=False)
                 logger.info("rejoined the swarm through %d known peer addresses", len(initial_peers))
                 return dht
             except Exception as e:  # nobody from last time is online: start the swarm anew
                 logger.info("no known peer answered (%s); starting as the first peer", str(e).splitlines()[0])
-        return hivemind.DHT(**kwargs)
+        return start()
 
     def _resume(self) -> int:
         path = latest_checkpoint(self.checkpoint_dir)

@@ -38,14 +38,20 @@ class _DropRequestsOfExitedSenders(logging.Filter):
     """The DHT process's report of a request it could not read because its sender has exited. A
     request carries its reply pipe, which multiprocessing passes through the sending process's
     resource-sharing socket; once that process is gone (one of a leaving peer's processes racing
-    its shutdown) the socket is missing, refuses, or resets, and the request is dropped, with
-    nobody left to answer. Any other failure to read a request is kept."""
+    its shutdown) the socket is missing, refuses, resets, or closes mid-handshake (which
+    ``crowdtrain.swarm.hivemind_seam.p2p.guard_request_pipe`` reports as an error raised from the
+    resource sharer's), and the request is dropped, with nobody left to answer. Any other failure
+    to read a request is kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.exc_info or record.exc_info[2] is None:
+        if not record.exc_info or record.exc_info[1] is None:
             return True
-        frames = traceback.extract_tb(record.exc_info[2])
-        return not any(frame.filename.endswith(_RESOURCE_SHARER) for frame in frames)
+        error = record.exc_info[1]
+        while error is not None:  # and what it was raised from (crowdtrain's guard of the request pipe)
+            if any(frame.filename.endswith(_RESOURCE_SHARER) for frame in traceback.extract_tb(error.__traceback__)):
+                return False
+            error = error.__cause__
+        return True
 
 
 class _DropHivemindTaskReports(logging.Filter):

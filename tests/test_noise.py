@@ -146,3 +146,82 @@ def test_a_dht_request_whose_sender_has_exited_is_not_reported_and_other_failure
     reported = [r.getMessage() for r in caplog.records if r.name == "hivemind.dht.dht"]
     assert reported == ["[Errno 104] Connection reset by peer"], \
         "only the exited sender's request is dropped; the same error from anything else is kept"
+
+
+class _ReplyPipeOfAnExitedSender:
+    """Unpickles as a request's reply pipe does (through the sender's resource-sharing socket),
+    from a sender that exits during the handshake: ``EOFError`` inside multiprocessing's
+    resource_sharer, as a leaving peer's averager process causes."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+    def __reduce__(self):
+        import multiprocessing.connection
+        from multiprocessing import resource_sharer
+
+        shared = object.__new__(resource_sharer.DupFd)
+        shared._id = (self.address, 0)
+        return multiprocessing.connection.rebuild_connection, (shared, True, True)
+
+
+def test_a_request_whose_sender_exits_mid_handshake_ends_that_request_not_the_dht_process(tmp_path, caplog):
+    """hivemind's DHT process reads requests in a loop that survives OSError but not EOFError;
+    crowdtrain's guard of its request pipe (crowdtrain.swarm.hivemind_seam.p2p) turns the sender's
+    exit into the former. Without it the DHT process dies, and every request after it is lost."""
+    import socket
+    import threading
+
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from crowdtrain.swarm.hivemind_seam.p2p import guard_request_pipe
+
+    address = str(tmp_path / "sender.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen()
+
+    def exit_at_once():  # the sender's resource sharer: accepts, and its process is gone
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=exit_at_once, daemon=True).start()
+    drop_known_noise()
+    # What the DHT process reports for it (as hivemind's loop logs an OSError): nothing.
+    import pickle
+
+    from crowdtrain.swarm.hivemind_seam.p2p import _RequestPipe
+
+    class Pipe:
+        def recv(self):
+            return pickle.loads(pickle.dumps(_ReplyPipeOfAnExitedSender(address)))
+
+    dht_logger, reported = logging.getLogger("hivemind.dht.dht"), []
+    handler = logging.Handler()  # on the logger itself: hivemind's loggers do not propagate to caplog's
+    handler.emit = reported.append
+    dht_logger.addHandler(handler)
+    try:
+        for request in (Pipe(), None):
+            try:
+                _RequestPipe(request).recv()  # None: any other failure to read a request
+            except (OSError, AttributeError) as e:
+                dht_logger.exception(e)
+    finally:
+        dht_logger.removeHandler(handler)
+    assert [type(r.exc_info[1]) for r in reported] == [AttributeError], reported
+
+    dht = guard_request_pipe(hivemind.DHT(start=False))
+    dht.run_in_background(await_ready=True)
+    try:
+        dht._outer_pipe.send(("_get", [], dict(key="k", latest=False, future=_ReplyPipeOfAnExitedSender(address))))
+        assert dht.store("k", "v", expiration_time=get_dht_time() + 60, return_future=True).result(timeout=30)
+        assert dht.get("k", return_future=True).result(timeout=30).value == "v"
+        assert dht.is_alive()
+    finally:
+        dht.shutdown()
+        listener.close()

@@ -125,6 +125,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
 
     from crowdtrain.swarm import metrics as swarm_metrics
     from crowdtrain.swarm.attacks import attack_from_fault, upload_delay_from_fault
+    from crowdtrain.swarm.hivemind_seam.p2p import guard_request_pipe
     from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
     from crowdtrain.swarm.rounds import swarm_at_start, swarm_epoch_now
     from crowdtrain.noise import drop_exit_noise
@@ -170,9 +171,11 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
     threads_before, dht = set(threading.enumerate()), None
     try:
         with children_ignore_sigint():
-            dht = hivemind.DHT(initial_peers=info["initial_peers"], client_mode=config.client_mode,
-                               host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=True,
-                               **access.dht_kwargs())
+            dht = guard_request_pipe(hivemind.DHT(
+                initial_peers=info["initial_peers"], client_mode=config.client_mode,
+                host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=False,
+                **access.dht_kwargs()))
+            dht.run_in_background(await_ready=True)
         peer_id = str(dht.peer_id)
         access.start_keeper(dht, signer, on_denied=denied)
         bootstrap_watch = BootstrapWatch(dht, info["initial_peers"])

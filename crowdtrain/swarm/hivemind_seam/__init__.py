@@ -231,6 +231,14 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_P}:with_wrapped_handlers", "hivemind.p2p.servicer:ServicerBase._collect_rpc_handlers", "private-read",
          "registers an averager's RPC handlers through a wrapper that checks access tokens",
          "tests/test_auth.py::test_the_averaging_guard_admits_token_holders_and_refuses_the_rest", "c6b0a7a27a95cf06"),
+    Seam(f"{_P}:guard_request_pipe", "hivemind.dht.dht:DHT.run", "patch",
+         "per instance, before the DHT process starts: its request pipe (_inner_pipe) raises an OSError, which "
+         "run's loop survives, where a request's sender exited while its reply pipe was fetched (EOFError, "
+         "which ended the DHT process)",
+         "tests/test_noise.py::test_a_request_whose_sender_exits_mid_handshake_ends_that_request_not_the_dht_process",
+         "bd3a376f042d386e",
+         upstream_fix="DHT.run: a request that cannot be read because its sender exited (EOFError from the "
+                      "resource sharer) is dropped like the OSErrors already caught, instead of ending the process"),
     Seam(f"{_P}:replace_decoder", "hivemind.compression.serialization:deserialize_torch_tensor", "patch",
          "process-wide: an entry of the decoder table (_BASE_COMPRESSION_TYPES) that this function reads is "
          "replaced, so UNIFORM_8BIT messages are decoded by crowdtrain's faster codec (same values)",

@@ -7,6 +7,8 @@ canary test).
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from typing import Callable
 
 from hivemind.compression import serialization
@@ -61,3 +63,44 @@ def replace_decoder(compression_type: str, codec, *, replaces: tuple[type, ...])
         return False
     table[compression_type] = codec
     return True
+
+
+_RESOURCE_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
+
+
+class _RequestPipe:
+    """The DHT process's end of its request pipe, where a request that cannot be read because its
+    sender exited raises an ``OSError`` instead of ``EOFError``.
+
+    A request carries its reply pipe, which multiprocessing fetches from the sending process's
+    resource-sharing socket. If that process (one of a leaving peer's averagers) exits while the
+    DHT process connects, the handshake reads end-of-file: ``EOFError``, which hivemind's request
+    loop does not catch (it catches ``OSError``, ``ConnectionError`` and ``RuntimeError``): the DHT
+    process would end with a traceback, and the requests queued after it, such as the removal of
+    the leaving peer's progress record (the swarm would count it as a peer until the record
+    expires), would be lost. As an ``OSError`` it is logged (``crowdtrain.noise`` drops that
+    report) and only that request is lost. End-of-file on the pipe itself (the peer process is
+    gone) is kept."""
+
+    def __init__(self, pipe):
+        self._pipe = pipe
+
+    def recv(self):
+        try:
+            return self._pipe.recv()
+        except EOFError as e:
+            if any(frame.filename.endswith(_RESOURCE_SHARER) for frame in traceback.extract_tb(e.__traceback__)):
+                raise ConnectionResetError("a request's sender exited before its reply pipe was fetched") from e
+            raise
+
+    def __getattr__(self, name):  # poll, fileno, close: the pipe's own
+        return getattr(self._pipe, name)
+
+
+def guard_request_pipe(dht):
+    """``dht`` (a ``hivemind.DHT`` built with ``start=False``), whose process will survive a request
+    from a process that exited (:class:`_RequestPipe`); start it next."""
+    if dht.is_alive():
+        raise RuntimeError("guard the DHT's request pipe before it starts (hivemind.DHT(..., start=False))")
+    dht._inner_pipe = _RequestPipe(dht._inner_pipe)
+    return dht
