@@ -172,7 +172,8 @@ class AuxPeer:
         if public and public not in ("127.0.0.1", "localhost", spec["dht_host"]) and _is_ipv4(public):
             # Behind NAT (e.g. a cloud VM): announce the address volunteers can reach, not the private one.
             kwargs["announce_maddrs"] = [f"/ip4/{public}/tcp/{spec['dht_port']}"]
-        def start(**more) -> hivemind.DHT:
+
+        def start(**more) -> hivemind.DHT:  # its request pipe guarded before its process starts
             dht = guard_request_pipe(hivemind.DHT(start=False, **kwargs, **more))
             dht.run_in_background(await_ready=True)
             return dht
