@@ -165,17 +165,18 @@ class _ReplyPipeOfAnExitedSender:
         return multiprocessing.connection.rebuild_connection, (shared, True, True)
 
 
-def test_a_request_whose_sender_exits_mid_handshake_ends_that_request_not_the_dht_process(tmp_path, caplog):
+def test_a_request_whose_sender_exits_mid_handshake_ends_that_request_not_the_dht_process(tmp_path):
     """hivemind's DHT process reads requests in a loop that survives OSError but not EOFError;
     crowdtrain's guard of its request pipe (crowdtrain.swarm.hivemind_seam.p2p) turns the sender's
     exit into the former. Without it the DHT process dies, and every request after it is lost."""
+    import pickle
     import socket
     import threading
 
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from crowdtrain.swarm.hivemind_seam.p2p import guard_request_pipe
+    from crowdtrain.swarm.hivemind_seam.p2p import _RequestPipe, guard_request_pipe
 
     address = str(tmp_path / "sender.sock")
     listener = socket.socket(socket.AF_UNIX)
@@ -193,10 +194,6 @@ def test_a_request_whose_sender_exits_mid_handshake_ends_that_request_not_the_dh
     threading.Thread(target=exit_at_once, daemon=True).start()
     drop_known_noise()
     # What the DHT process reports for it (as hivemind's loop logs an OSError): nothing.
-    import pickle
-
-    from crowdtrain.swarm.hivemind_seam.p2p import _RequestPipe
-
     class Pipe:
         def recv(self):
             return pickle.loads(pickle.dumps(_ReplyPipeOfAnExitedSender(address)))
