@@ -159,11 +159,11 @@ def test_a_peer_left_out_of_a_round_stops_waiting_and_downloads_the_groups_state
     # Waiting out the averaging timeout would only let that group leave before we download.
     control = SimpleNamespace(stage=AveragingStage.LOOKING_FOR_GROUP, done=lambda: False)
     asked = []
-    opt = SimpleNamespace(averaging_timeout=30.0, matchmaking_time=0.2,
+    opt = SimpleNamespace(averaging_timeout=30.0, matchmaking_time=0.2, _nobody_else=lambda: False,
                           _others_finished=lambda epoch: asked.append(epoch) or len(asked) >= 2)
     started = time.monotonic()
-    allreduce_unix, left_out = SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4)
-    assert left_out and allreduce_unix is None and asked == [4, 4]
+    allreduce_unix, left_out, deserted = SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4)
+    assert left_out and not deserted and allreduce_unix is None and asked == [4, 4]
     assert 1.0 <= time.monotonic() - started < 5.0, "checked once a second after the matchmaking time"
     # A peer in a running all-reduce is not left out, whatever the others say.
     control.stage = AveragingStage.RUNNING_ALLREDUCE
@@ -477,7 +477,7 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
         stats["rounds_missing_a_slice"] += int(absent)
 
     opt, averager = _in_round(stats)
-    opt._wait_for_allreduce_start = lambda control, epoch: (time.time(), False)
+    opt._wait_for_allreduce_start = lambda control, epoch: (time.time(), False, False)
     opt._others_finished = lambda epoch: False
     control = SimpleNamespace(done=lambda: True, cancelled=lambda: False, result=lambda timeout: [1, 2, 3, 4],
                               weight=16.0)
@@ -492,3 +492,62 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
     else:
         assert opt.catch_up.partial_epoch == 4 and averager.state_sharing_priority < 5
         assert published == [], "a partial average is not reported as a finished round"
+
+
+def test_a_peer_whose_groupmates_all_left_steps_alone_at_once_and_is_credited():
+    # The others were Ctrl-C'd a step before their trigger and left (a clean leave erases the
+    # progress record): nobody can join this round. Seen: the last peer waited out the averaging
+    # timeout (27 s) for a group, holding its own Ctrl-C that long.
+    control = SimpleNamespace(stage=AveragingStage.LOOKING_FOR_GROUP, done=lambda: False)
+    reads = []
+    opt = SimpleNamespace(averaging_timeout=30.0, matchmaking_time=0.2, _others_finished=lambda epoch: False,
+                          _nobody_else=lambda: reads.append(1) or len(reads) >= 2)
+    started = time.monotonic()
+    assert SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4) == (None, False, True)
+    assert 1.0 <= time.monotonic() - started < 5.0, "checked once a second after the matchmaking time"
+    # While a group could still form (another peer reports progress), it waits on.
+    opt.averaging_timeout, opt._nobody_else = 1.5, lambda: False
+    assert SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4) == (None, False, False)
+
+    # The round is cancelled and the step taken alone counts as the swarm's, as a lone peer's does
+    # (not as a round apart from a swarm of four).
+    stats = {"weight_averaged": 0, "elements_missing": 0, "rounds_missing_a_slice": 0}
+    opt, averager = _in_round(stats)
+    opt._wait_for_allreduce_start = lambda control, epoch: (None, False, True)
+    opt._others_finished = lambda epoch: False
+    cancelled = []
+    control = SimpleNamespace(done=lambda: bool(cancelled), cancelled=lambda: bool(cancelled),
+                              cancel=lambda: cancelled.append(True), weight=16.0)
+    opt.around_gradient_round(control, lambda: None)
+    assert cancelled == [True]
+    last = opt.rounds.last()
+    assert (last.epoch, last.group_size, last.swarm_peers, last.credited) == (4, 1, 1, True)
+    assert opt.ledger.samples == 16 and opt.ledger.round_counts(time.time()).rounds_apart == 0
+    assert opt.catch_up.lost_epoch is None, "nobody else holds a state to download"
+
+
+def test_nobody_else_reads_the_progress_records_on_a_real_dht():
+    from crowdtrain.swarm.rounds import nobody_else
+
+    dht = hivemind.DHT(start=True)
+    try:
+        me, other = dht.peer_id.to_bytes(), b"another peer"
+        tracker = SimpleNamespace(dht=dht, training_progress_key="run_progress")
+        assert nobody_else(tracker, me=me), "no records: nobody"
+
+        def report(subkey, value):
+            assert dht.store("run_progress", subkey=subkey, value=value, expiration_time=get_dht_time() + 60)
+
+        report(b"mine", {"peer_id": me, "epoch": 3, "samples_accumulated": 8, "samples_per_second": 1.0,
+                         "time": get_dht_time(), "client_mode": False})
+        assert nobody_else(tracker, me=me), "only this peer's own record"
+        report(b"theirs", {"peer_id": other, "epoch": 3, "samples_accumulated": 8, "samples_per_second": 1.0,
+                           "time": get_dht_time(), "client_mode": False})
+        assert not nobody_else(tracker, me=me)
+        report(b"theirs", None)  # the tombstone hivemind's tracker stores as a peer leaves
+        assert nobody_else(tracker, me=me)
+        broken = SimpleNamespace(dht=SimpleNamespace(get=lambda *a, **k: (_ for _ in ()).throw(TimeoutError())),
+                                 training_progress_key="run_progress")
+        assert not nobody_else(broken, me=me), "a DHT that does not answer: in doubt, a group may still form"
+    finally:
+        dht.shutdown()

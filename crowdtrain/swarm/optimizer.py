@@ -31,8 +31,8 @@ from crowdtrain.swarm.hivemind_seam import check_hivemind_version
 from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam, RoundHooks
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import make_aggregator
-from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, peers_behind,
-                                     release_scheduled, swarm_epoch_now)
+from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, nobody_else,
+                                     peers_behind, release_scheduled, swarm_epoch_now)
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,15 @@ class SwarmOptimizer(RoundHooks):
         # Read before the wait below: the round may end during it.
         averaged_before, missing_before = self._weight_averaged(), self._elements_missing()
         slices_missing_before = self._wire_stat("rounds_missing_a_slice")
-        allreduce_unix, left_out = self._wait_for_allreduce_start(maybe_step_control, epoch)
+        allreduce_unix, left_out, deserted = self._wait_for_allreduce_start(maybe_step_control, epoch)
+        if deserted:
+            # Every other peer left while we looked for a group (seen: the others Ctrl-C'd a step
+            # before their trigger, and the last one waited out the averaging timeout alone): our
+            # step is the swarm's, as a lone peer's is.
+            logger.info("nobody else is left in the swarm for epoch %d's round: stepping on this peer's "
+                        "gradients alone", epoch)
+            maybe_step_control.cancel()
+            swarm_peers = 1
         if left_out:
             logger.warning("the swarm finished epoch %d's round without this peer; it will download their state",
                            epoch)
@@ -344,24 +352,33 @@ class SwarmOptimizer(RoundHooks):
         return (self.signer is not None
                 and swarm_metrics.largest_finished_group(self.dht, self.run_id, epoch, or_later=True) >= 2)
 
-    def _wait_for_allreduce_start(self, control, epoch: int) -> tuple[float | None, bool]:
+    def _nobody_else(self) -> bool:
+        return nobody_else(self.tracker, me=self.dht.peer_id.to_bytes())
+
+    def _wait_for_allreduce_start(self, control, epoch: int) -> tuple[float | None, bool, bool]:
         """When the averager (a child process) began exchanging tensors: its stage lives in shared
         memory, so poll it until the all-reduce starts or the step ends (None if it never started).
         Also whether this peer was left out: still looking for a group a matchmaking time after
         the trigger, while another peer reports having finished this round in a group. Waiting
-        out the averaging timeout then only lets the others leave before we download their state."""
+        out the averaging timeout then only lets the others leave before we download their state.
+        And whether it was deserted: still looking while no other peer reports progress at all,
+        so no group can form; waiting would hold the step (or a leave) for the averaging timeout."""
         if control is None:
-            return None, False
+            return None, False, False
         watch = LeftOutWatch(control, matchmaking_time=self.matchmaking_time,
                              went_on=lambda: self._others_finished(epoch))
+        alone = LeftOutWatch(control, matchmaking_time=self.matchmaking_time, started=watch.started,
+                             went_on=self._nobody_else)
         deadline = watch.started + self.averaging_timeout
         while not control.done() and time.monotonic() < deadline:
             if control.stage == AveragingStage.RUNNING_ALLREDUCE:
-                return time.time(), False
+                return time.time(), False, False
             if watch.left_out():
-                return None, not control.done()
+                return None, not control.done(), False
+            if alone.left_out():
+                return None, False, not control.done()
             time.sleep(0.005)
-        return None, False
+        return None, False, False
 
     def _resolve_partial_round(self, *, wait: bool) -> None:
         if self.catch_up.resolve_partial(self._others_finished, wait=wait):

@@ -224,6 +224,13 @@ def peers_behind(tracker, epoch: int, *, exclude: bytes = b"") -> list[bytes]:
             if r["epoch"] < epoch and r.get("peer_id", b"") != exclude]
 
 
+def nobody_else(tracker, *, me: bytes) -> bool:
+    """True only if the DHT answers that no peer but ``me`` reports progress: the others left (a
+    clean leave erases a peer's record) or their records expired. False when in doubt."""
+    records = progress_records(tracker)
+    return records is not None and all(r.get("peer_id", b"") == me for r in records)
+
+
 def swarm_at_start(tracker, state_averager) -> bool:
     """True only if the DHT answers that no peer reports an epoch past 0 and no state of a later
     epoch is on offer (the coordinator's auxiliary peer offers the last checkpoint's); False when
