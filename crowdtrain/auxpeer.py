@@ -248,7 +248,7 @@ class AuxPeer:
         if schedule.total_epochs is not None:  # for volunteers that read no schedule (older crowdtrain)
             swarm.update(total_epochs=schedule.total_epochs, warmup_epochs=schedule.warmup_epochs)
         join = files.RunInfo(
-            run_id=self.swarm.run_id, fingerprint=architecture_fingerprint(self.model_config),
+            run_id=self.swarm.run_id, fingerprint=architecture_fingerprint(self.model_config, self.model),
             swarm=swarm, task=self.spec["task"], initial_peers=maddrs, schedule=schedule.to_dict(),
             text_tokenizer=self.spec.get("text_tokenizer"),  # /api/join drops its local path
             coordinator_peer_id=str(self.dht.peer_id),

@@ -111,14 +111,17 @@ def format_info(info: dict) -> str:
     return "\n".join(lines)
 
 
-def architecture_fingerprint(config: ModelConfig) -> str:
+def architecture_fingerprint(config: ModelConfig, model: torch.nn.Module | None = None) -> str:
     """Hash of the config and of every parameter name and shape this code builds for it.
 
     Two peers agree on it only if their code would train the same tensors: a volunteer running
     a crowdtrain that builds a different model for the same config is refused, not averaged.
+    ``model``: the one this process built from ``config`` already (a peer's, the auxiliary
+    peer's), read instead of building one on the meta device: initializing meta tensors runs
+    torch's Python reference ops, which import TorchDynamo (about 1 s of CPU at every join).
     """
     import hashlib
 
-    model = build_meta_model(config)
+    model = build_meta_model(config) if model is None else model
     shapes = sorted((name, tuple(t.shape)) for name, t in model.state_dict().items())
     return hashlib.sha256(f"{config.fingerprint()}|{shapes}".encode()).hexdigest()[:16]

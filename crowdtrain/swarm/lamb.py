@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 
@@ -52,7 +53,66 @@ def compile_on_first_call():
         torch.compile = eager
 
 
-with compile_on_first_call():
+def _caches_its_disabled_function() -> bool:
+    """Whether this torch's ``_disable_dynamo`` wrapper keeps what it calls in the wrapped
+    function's ``__dynamo_disable`` attribute (the hook :func:`dynamo_on_first_compile` uses)."""
+    disable = getattr(torch._compile, "_disable_dynamo", None)
+    nested = [c for c in getattr(getattr(disable, "__code__", None), "co_consts", ()) if hasattr(c, "co_names")]
+    return any("__dynamo_disable" in c.co_names for c in nested)
+
+
+def _disabled_once_loaded(fn, recursive: bool):
+    """What ``fn``'s ``_disable_dynamo`` wrapper calls: ``fn`` itself while TorchDynamo is not
+    loaded (nothing can be compiling then, so there is nothing to disable), and once it is,
+    ``torch._dynamo.disable(fn)`` as torch would have built it, kept in its place."""
+
+    def call(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        import torch._dynamo
+
+        disabled = torch._dynamo.disable(fn, recursive, wrapping=False)
+        fn.__dynamo_disable = disabled
+        return disabled(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def dynamo_on_first_compile():
+    """Functions that torch keeps TorchDynamo out of (``torch._disable_dynamo``) import it on
+    their first call, about 1 s of CPU: every ``torch.optim.Optimizer`` (its ``add_param_group``,
+    ``zero_grad``, ``state_dict``) and each of bitsandbytes' kernels, registered as torch custom
+    ops, so every volunteer's and auxiliary peer's process paid it at its first optimizer.
+    Nothing in these processes compiles: the import is deferred until something loads TorchDynamo
+    (a ``torch.compile``'s first call), and from then on the functions are disabled as torch
+    would. Within the block, functions wrapped by ``torch._disable_dynamo`` (bitsandbytes'
+    kernels, registered at its import) defer too; torch's optimizer methods always do from the
+    first use of this. A torch whose wrapper works otherwise is left as it is (slower, not wrong)."""
+    if not _caches_its_disabled_function():
+        yield
+        return
+    eager = torch._disable_dynamo
+
+    def defer(fn=None, recursive: bool = True):
+        if fn is None:  # used as @torch._disable_dynamo(recursive=...)
+            return functools.partial(defer, recursive=recursive)
+        if getattr(fn, "__dynamo_disable", None) is None:
+            fn.__dynamo_disable = _disabled_once_loaded(fn, recursive)
+        return eager(fn, recursive)
+
+    for method in vars(torch.optim.Optimizer).values():  # wrapped when torch was imported
+        inner = getattr(method, "__wrapped__", None)
+        if getattr(getattr(method, "__code__", None), "co_filename", None) == torch._compile.__file__ and inner:
+            defer(inner)
+    torch._disable_dynamo = defer
+    try:
+        yield
+    finally:
+        torch._disable_dynamo = eager
+
+
+with compile_on_first_call(), dynamo_on_first_compile():
     import bitsandbytes as bnb
 
 

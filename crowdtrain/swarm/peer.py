@@ -47,10 +47,11 @@ def download_asset(url: str, sha256: str, cache_dir: Path) -> Path:
     return path
 
 
-def check_fingerprint(info: dict, model_config) -> None:
+def check_fingerprint(info: dict, model_config, model=None) -> None:
+    """``model``: the one this peer built from ``model_config`` (see ``architecture_fingerprint``)."""
     from crowdtrain.model.info import architecture_fingerprint
 
-    mine = architecture_fingerprint(model_config)
+    mine = architecture_fingerprint(model_config, model)
     if mine != info["fingerprint"]:
         from crowdtrain.swarm.join_info import coordinator_install_line
 
@@ -115,12 +116,20 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
     # hivemind's and bitsandbytes' imports (below): a bad config is said in half the time.
     checked = check_join_info(info, model_overrides=config.model_overrides, source=base, device=device_name)
     swarm, model_config = checked.swarm, checked.model
-    check_fingerprint(info, model_config)
     autocast_context(torch.device(device_name), config.precision)  # refuses a precision this device lacks
     batch_size, batch_line = machine.choose_batch(model_config, swarm, device=device_name, batch_size=config.batch_size,
                                                   precision=config.precision, memcalc_url=f"{base}/memcalc/")
     if config.batch_size == machine.AUTO:
         logger.info("%s", batch_line)
+    from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
+
+    # The model this peer trains (the run's seeded initial model while the run has not moved on
+    # from it), built on the CPU once its memory is known to fit: a crowdtrain that builds other
+    # tensors for the run's config is refused here, before hivemind's imports and any p2p start-up.
+    initial = info.get("initial_model")
+    model = (build_initial_model(DalleTask(model_config), int(initial["seed"])) if initial
+             else DalleTask(model_config).build_model())
+    check_fingerprint(info, model_config, model)
     import hivemind
 
     from crowdtrain.swarm import metrics as swarm_metrics
@@ -130,7 +139,6 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
     from crowdtrain.swarm.rounds import swarm_at_start, swarm_epoch_now
     from crowdtrain.noise import drop_exit_noise
     from crowdtrain.swarm.reconnect import BootstrapWatch
-    from crowdtrain.train.task import DalleTask, build_initial_model, model_digest
 
     config = copy.copy(config)  # as resolved, in the summary; the caller's stays as given
     config.device, config.batch_size = device_name, batch_size
@@ -182,8 +190,6 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
         bootstrap_watch.start()
         user = access.user or config.user
         maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]
-        initial = info.get("initial_model")  # the run's seeded initial model, while it has not moved on
-        model = build_initial_model(task, int(initial["seed"])) if initial else task.build_model()
         # Compared as built, on the CPU, before the optimizer's initializing step (as the coordinator does).
         same_start = initial is not None and model_digest(model) == initial["digest"]
         model = model.to(device)
