@@ -270,8 +270,12 @@ class LocalSwarm:
         return {name: self.wait_exit(name, timeout) for name in names}
 
     def close(self, grace_s: float = 5.0) -> None:
-        """End every process still running. A coordinator alone stops within a second of SIGTERM;
-        a volunteer whose DHT and averagers took the group's SIGTERM with it cannot leave cleanly
-        and would only wait for its own timeouts, so after ``grace_s`` the groups are SIGKILLed
-        (the whole group: no daemon is left behind)."""
-        stop_all(self.procs.values(), signal.SIGTERM, grace_s)
+        """End every process still running, each with its whole group (no daemon is left behind).
+        The coordinator gets SIGTERM (it stops within a second, its auxiliary peer with it) and
+        ``grace_s`` before SIGKILL. Volunteers still running get SIGKILL at once: one whose DHT and
+        averagers took the group's SIGTERM with it cannot leave cleanly and would only wait out
+        its own timeouts (a test that checks a clean leave asks for one, ``interrupt_all``)."""
+        volunteers = [proc for name, proc in self.procs.items() if name != "coordinator"]
+        for proc in volunteers:
+            stop(proc, signal.SIGKILL, 10)
+        stop_all([proc for name, proc in self.procs.items() if name == "coordinator"], signal.SIGTERM, grace_s)
