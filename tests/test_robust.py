@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -562,3 +563,31 @@ def test_a_groupmate_absent_from_the_all_reduce_is_told_apart_nobody_gets_the_wh
             a.shutdown()
         for d in dhts:
             d.shutdown()
+
+
+def test_a_leaving_peers_progress_record_is_erased_before_its_dht_stops():
+    """A peer that leaves erases its progress record, then stops its DHT at once (as `crowdtrain
+    join` does). hivemind sent the erasing store without waiting for it: when the DHT stopped
+    first, the others counted the departed peer for the record's remaining life (25 s and more)."""
+    import hivemind
+    from crowdtrain.swarm.hivemind_seam.records import progress_records
+
+    reader = hivemind.DHT(start=True)
+    leaver = hivemind.DHT(initial_peers=reader.get_visible_maddrs(), start=True)
+    # Each peer's tracker adds the validator of signed progress records to its DHT.
+    stayer, tracker = (SuspectAwareProgressTracker(dht=dht, prefix="leave", target_batch_size=100,
+                                                   suspects=SuspectPeers(), start=True) for dht in (reader, leaver))
+    try:
+        tracker.report_local_progress(local_epoch=0, samples_accumulated=8)
+        view = SimpleNamespace(dht=reader, training_progress_key=stayer.training_progress_key)
+        deadline = time.monotonic() + 10
+        while not progress_records(view) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert progress_records(view), "the leaving peer's record never reached the other peer"
+        tracker.shutdown(5)
+        leaver.shutdown()
+        assert progress_records(view) == [], "the departed peer still counts as one of the swarm"
+    finally:
+        stayer.shutdown(5)
+        leaver.shutdown()
+        reader.shutdown()

@@ -262,11 +262,15 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
             final = swarm_metrics.PeerMetrics(**{**last_record, **optimizer.ledger.record_fields(),
                                                  "epoch": optimizer.local_epoch, "time": time.time()})
             def publish_final():
+                # At once, then waited for together: the coordinator credits from the metrics
+                # record whenever it reads it, so the leaving record need not wait for it.
                 try:
-                    swarm_metrics.publish(dht, swarm.run_id, signer, final).result()
-                    swarm_metrics.publish_round_counts(dht, swarm.run_id, signer,
-                                                       optimizer.ledger.round_counts(time.time())).result()
-                    swarm_metrics.publish_leaving(dht, swarm.run_id, signer, epoch=optimizer.local_epoch).result()
+                    stores = [swarm_metrics.publish(dht, swarm.run_id, signer, final),
+                              swarm_metrics.publish_round_counts(dht, swarm.run_id, signer,
+                                                                 optimizer.ledger.round_counts(time.time())),
+                              swarm_metrics.publish_leaving(dht, swarm.run_id, signer, epoch=optimizer.local_epoch)]
+                    for store in stores:
+                        store.result()
                 except Exception as e:  # the p2p daemon already gone (Ctrl-C in a terminal)
                     logger.debug("could not store the last metrics record: %r", e)
 

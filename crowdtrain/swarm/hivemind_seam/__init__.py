@@ -195,6 +195,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_O}:OptimizerSeam._make_state_averager", "hivemind.optim.optimizer:Optimizer._make_state_averager", "copy",
          "the robust, guarded, consistent state averager with the upload limit",
          _CATCH + "test_a_peer_mid_update_serves_a_copy_never_last_epochs_parameters_as_this_epochs", "59a43eff001c3284"),
+    Seam(f"{_O}:SuspectAwareProgressTracker.shutdown", "hivemind.optim.progress_tracker:ProgressTracker.shutdown",
+         "copy", "waits (bounded) for the store that erases this peer's progress record before the DHT stops",
+         _ROBUST + "test_a_leaving_peers_progress_record_is_erased_before_its_dht_stops", "56a92c00f0cd5010",
+         upstream_fix="ProgressTracker.shutdown: wait, up to its timeout, for the store that erases the peer's "
+                      "progress record (it was sent and not awaited; a DHT stopped right after dropped it)"),
     Seam(f"{_O}:SuspectAwareProgressTracker._parse_swarm_progress_data",
          "hivemind.optim.progress_tracker:ProgressTracker._parse_swarm_progress_data", "override",
          "a suspect's samples do not count toward the target batch, and a stale record (a peer in a round or a "

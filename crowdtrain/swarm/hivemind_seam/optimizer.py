@@ -11,6 +11,7 @@ override is an entry of ``crowdtrain.swarm.hivemind_seam.SEAMS`` (upstream code,
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable
 
 import hivemind
@@ -20,6 +21,9 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from crowdtrain.swarm.robust import Aggregator, MeanAggregator, SuspectPeers
 from crowdtrain.swarm.rounds import StepClock, gradient_round_lookahead_s
+
+logger = logging.getLogger(__name__)
+
 
 class SuspectAwareProgressTracker(ProgressTracker):
     """hivemind's progress tracker, not counting the samples (nor the speed) of peers in
@@ -52,6 +56,23 @@ class SuspectAwareProgressTracker(ProgressTracker):
         else:
             with self.lock_global_progress:
                 self.global_progress = progress
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """hivemind's, waiting (up to ``timeout``) for the store that erases this peer's progress
+        record. hivemind sends that store and returns; a leaving peer stops its DHT a moment later,
+        and when the store had not gone out yet the others counted the departed peer as one of the
+        swarm until its record expired (25 s and more): their rounds looked short of a peer, and
+        each of them, leaving, served its state that long to a laggard that was not there."""
+        self.shutdown_triggered.set()
+        self.should_report_progress.set()
+        self.global_state_updated.set()
+        self.shutdown_complete.wait(timeout)
+        erased = self.dht.store(self.training_progress_key, subkey=self._local_public_key, value=None,
+                                expiration_time=get_dht_time() + self.metadata_expiration, return_future=True)
+        try:
+            erased.result(timeout=timeout)
+        except Exception as e:  # the DHT already stopping: the record expires on its own
+            logger.debug("could not erase this peer's progress record: %r", e)
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
