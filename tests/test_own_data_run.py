@@ -134,17 +134,23 @@ def check_the_run_ended(swarm: LocalSwarm) -> None:
     # it learned the total while it trained. (The other may have joined after it was sized.)
     learned = f"the run's schedule changed: total_epochs being sized -> {total}"
     assert any(learned in swarm.log(name) for name in ("alice", "bob")), swarm.log("alice")[-3000:]
-    for name in ("alice", "bob"):
+    # At the total, or one step past it: while the total is being sized a peer asks for it every
+    # 5 s (SIZING_POLL_S), and a total sized with an epoch to go (the swarm's first epochs were
+    # slow: 4 s each once) can be passed before it hears. It then waits for the total's checkpoint
+    # all the same (the coordinator saves no later one), not out its minute.
+    finals = {name: swarm.summary(name)["final_epoch"] for name in ("alice", "bob")}
+    assert all(total <= final <= total + 1 for final in finals.values()) and total in finals.values(), finals
+    for name, final in finals.items():
         log = swarm.log(name)
-        assert (f"the run reached its last epoch ({total} of {total}): thank you; the final model is at "
+        assert (f"the run reached its last epoch ({final} of {total}): thank you; the final model is at "
                 f"{swarm.url}/checkpoints") in log, log[-3000:]
-        assert swarm.summary(name)["final_epoch"] == total
+        assert "has not saved the final model" not in log, log[-3000:]
     # Their last metrics records live a minute in the DHT; they said they left, so nobody counts as training.
     left = time.monotonic()
     while status["active_peers"] and time.monotonic() - left < 10:
         time.sleep(1)
         status = swarm.status()
-    assert status["active_peers"] == 0 and status["epoch"] == total
+    assert status["active_peers"] == 0 and status["epoch"] == max(finals.values())
     assert status["finished"] and status["schedule"]["finished_epoch"] == total
     assert status["last_checkpoint_epoch"] == total and (swarm.run_dir / "checkpoints" / f"step-{total:07d}").is_dir()
     started = time.monotonic()

@@ -222,7 +222,13 @@ class ScheduleWatch:
 
     def wait_for_final_checkpoint(self, epoch: int, *, timeout_s: float = 60.0, every_s: float = 2.0) -> bool:
         """After the last step: wait (at most ``timeout_s``) until the coordinator has saved a
-        checkpoint of epoch ``epoch``, downloading it from the peers still here. True if it has."""
+        checkpoint of the run's last epoch, downloading it from the peers still here. True if it
+        has. ``epoch``: this peer's; past the total when the total reached it late (while it is
+        being sized to a time budget a peer asks every ``SIZING_POLL_S``, and a total sized an
+        epoch ahead can be passed first). The coordinator saves the total's checkpoint, never a
+        later one, so a peer waiting for its own epoch waited the whole minute for nothing."""
+        total = self.schedule.total_epochs
+        epoch = min(epoch, total) if total is not None else epoch
         deadline = time.monotonic() + timeout_s
         logger.info("the run has reached its last epoch; staying up to %.0f s while the coordinator saves the final "
                     "model", timeout_s)
