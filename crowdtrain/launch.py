@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from crowdtrain.lifecycle import die_with_parent
+from crowdtrain.lifecycle import own_session_child
 
 CHROMIUM = os.environ.get("CROWDTRAIN_CHROMIUM", "/usr/bin/chromium")
 # Headless without a sandbox (containers run as root) and without chromium's own traffic to Google:
@@ -88,7 +88,7 @@ def spawn(argv: list[str], log_path: Path, *, env: dict | None = None) -> subpro
     """Start ``argv`` in its own session, output appended to ``log_path``."""
     with open(log_path, "ab") as log:  # the child holds its own descriptor
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or child_env(),
-                                start_new_session=True, preexec_fn=die_with_parent)
+                                start_new_session=True, preexec_fn=own_session_child)
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:

@@ -4,6 +4,8 @@ PostgreSQL) the coordinator's storage is tested against."""
 import ast
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,13 +121,59 @@ def pytest_xdist_make_scheduler(config, log):
 # lane's processes at 0). The lane's swarms then run about as fast as alone, and the rest of the
 # suite fills the time their peers wait on rounds. Those other tests' timing margins are wide
 # (seconds against minutes); the lane's are not.
+#
+# A process started in its own session (a swarm's coordinator and volunteers, a Jupyter kernel,
+# the browser) is in its own autogroup where the kernel has them (CONFIG_SCHED_AUTOGROUP), which
+# shares the CPU with the lane's at equal weight whatever its nice value: measured here, a nice 10
+# process in its own session took half a core from a nice 0 one, not a tenth. crowdtrain's own
+# launches carry their niceness into their session (``crowdtrain.lifecycle.own_session_child``);
+# for the others (kernels, the browser, a test's own Popen) the worker looks over its processes
+# every NICE_SESSIONS_EVERY_S and does the same.
 YIELD_TO_THE_LANE = 10
+NICE_SESSIONS_EVERY_S = 1.0
+_sessions_watched = threading.Event()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc (a process that ends while being read is left out)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _nice_sessions_of_descendants():
+    from crowdtrain.lifecycle import niceness_to_session
+
+    own = os.getsid(0)  # the suite's session, the lane's worker's too: left as it is
+    while True:
+        for pid in descendants(os.getpid()):
+            try:
+                if os.getsid(pid) != own:
+                    niceness_to_session(pid)
+            except OSError:
+                pass  # it ended
+        time.sleep(NICE_SESSIONS_EVERY_S)
 
 
 def pytest_runtest_setup(item):
     if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("swarm") is None:
         if os.getpriority(os.PRIO_PROCESS, 0) < YIELD_TO_THE_LANE:
             os.setpriority(os.PRIO_PROCESS, 0, YIELD_TO_THE_LANE)
+        if not _sessions_watched.is_set():
+            _sessions_watched.set()
+            threading.Thread(target=_nice_sessions_of_descendants, name="nice-sessions", daemon=True).start()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,12 +1,15 @@
 """The launcher's stop of several process groups (``crowdtrain.launch.stop_all``): what the test
 swarms' teardown and ``crowdtrain demo`` rely on to end a run quickly and leave nothing behind;
-and the signal handling a process of a run stops by (``crowdtrain.lifecycle.on_signals``)."""
+the signal handling a process of a run stops by (``crowdtrain.lifecycle.on_signals``); and the
+niceness a process started in its own session keeps (``crowdtrain.lifecycle.own_session_child``)."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from crowdtrain.launch import spawn, stop_all
 
@@ -128,3 +131,25 @@ def test_a_volunteer_leaves_cleanly_on_a_storm_of_sigterms_and_quits_at_once_on_
     finally:
         proc.kill()
         proc.wait()
+
+
+NICED_SPAWN = """
+import os, sys, time
+from crowdtrain.launch import spawn
+os.nice(10)
+proc = spawn(["sleep", "5"], sys.argv[1])
+time.sleep(0.3)
+with open(f"/proc/{proc.pid}/autogroup") as f:
+    print(os.getsid(proc.pid) == proc.pid, os.getpriority(os.PRIO_PROCESS, proc.pid), f.read().split()[-1])
+proc.kill()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="this kernel schedules without autogroups")
+def test_a_process_started_in_its_own_session_keeps_its_parents_niceness_against_other_sessions(tmp_path):
+    # `nice -n 10 crowdtrain demo`: each of the swarm's processes is in its own session, which
+    # autogroup scheduling weighs against other sessions at its group's nice, not the process's.
+    out = subprocess.run([sys.executable, "-c", NICED_SPAWN, str(tmp_path / "child.log")], capture_output=True,
+                         text=True, timeout=60, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "10", "10"], out.stdout

@@ -88,7 +88,7 @@ print(describe_device_and_batch(COORDINATOR, batch_size=BATCH_SIZE))
 # Train. The progress line updates in place; Interrupt the kernel to leave cleanly.
 import atexit, os, signal, tempfile, time
 from IPython.display import display
-from crowdtrain.lifecycle import die_with_parent
+from crowdtrain.lifecycle import own_session_child
 
 summary_file = os.path.join(tempfile.mkdtemp(prefix="crowdtrain-"), "summary.json")
 command = [sys.executable, "-m", "crowdtrain.cli", "join", COORDINATOR, "--user", USER, "--batch-size",
@@ -100,7 +100,7 @@ env = dict(os.environ, CROWDTRAIN_KEY=KEY) if KEY else None  # not on the comman
 # Its own session: the kernel's interrupt reaches this cell, which asks the peer to leave; the peer
 # gets SIGTERM (a clean leave too) if the kernel itself dies.
 peer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
-                        start_new_session=True, preexec_fn=die_with_parent)
+                        start_new_session=True, preexec_fn=own_session_child)
 atexit.register(lambda: peer.poll() is None and peer.send_signal(signal.SIGTERM))
 progress = display("starting...", display_id=True)
 contribution, asked = "", 0.0

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crowdtrain import launch
-from crowdtrain.lifecycle import die_with_parent, raise_system_exit
+from crowdtrain.lifecycle import own_session_child, raise_system_exit
 from crowdtrain.testbed.links import LinkSpec, tbf_args
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class Testbed:
         """Start ``argv`` inside ``node``'s namespace, in its own process group."""
         out = open(log, "ab") if log is not None else stdout
         proc = subprocess.Popen(self.exec_argv(node, argv), stdout=out, stderr=subprocess.STDOUT if log else None,
-                                env=env, start_new_session=True, preexec_fn=die_with_parent)
+                                env=env, start_new_session=True, preexec_fn=own_session_child)
         if log is not None:
             out.close()  # the child holds its own descriptor
         self.procs.append(proc)
