@@ -136,11 +136,12 @@ def test_a_volunteer_leaves_cleanly_on_a_storm_of_sigterms_and_quits_at_once_on_
 NICED_SPAWN = """
 import os, sys, time
 from crowdtrain.launch import spawn
-os.nice(10)
+mine = os.nice(10)  # 19 at most: the suite's yielding worker runs at 10 already
 proc = spawn(["sleep", "5"], sys.argv[1])
 time.sleep(0.3)
 with open(f"/proc/{proc.pid}/autogroup") as f:
-    print(os.getsid(proc.pid) == proc.pid, os.getpriority(os.PRIO_PROCESS, proc.pid), f.read().split()[-1])
+    group = int(f.read().split()[-1])
+print(os.getsid(proc.pid) == proc.pid, os.getpriority(os.PRIO_PROCESS, proc.pid) == mine, group == mine)
 proc.kill()
 """
 
@@ -152,4 +153,4 @@ def test_a_process_started_in_its_own_session_keeps_its_parents_niceness_against
     out = subprocess.run([sys.executable, "-c", NICED_SPAWN, str(tmp_path / "child.log")], capture_output=True,
                          text=True, timeout=60, start_new_session=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "10", "10"], out.stdout
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout

@@ -134,10 +134,10 @@ def check_the_run_ended(swarm: LocalSwarm) -> None:
     # it learned the total while it trained. (The other may have joined after it was sized.)
     learned = f"the run's schedule changed: total_epochs being sized -> {total}"
     assert any(learned in swarm.log(name) for name in ("alice", "bob")), swarm.log("alice")[-3000:]
-    # At the total, or one step past it: while the total is being sized a peer asks for it every
-    # 5 s (SIZING_POLL_S), and a total sized with an epoch to go (the swarm's first epochs were
-    # slow: 4 s each once) can be passed before it hears. It then waits for the total's checkpoint
-    # all the same (the coordinator saves no later one), not out its minute.
+    # At the total, or one step past it: while the total is being sized a peer asks for it at each
+    # new epoch (and every 5 s), and a total sized with an epoch to go just after a peer asked (the
+    # swarm's first epochs were slow: 4 s each once) can be passed before it hears. It then waits
+    # for the total's checkpoint all the same (the coordinator saves no later one), not out its minute.
     finals = {name: swarm.summary(name)["final_epoch"] for name in ("alice", "bob")}
     assert all(total <= final <= total + 1 for final in finals.values()) and total in finals.values(), finals
     for name, final in finals.items():

@@ -195,6 +195,39 @@ def test_a_volunteer_picks_up_an_extension_while_it_trains_and_refuses_other_cha
     assert done.wait_for_final_checkpoint(91, timeout_s=5, every_s=0.1) and time.monotonic() - started < 1
 
 
+def test_while_a_time_budget_is_sized_each_new_epoch_asks_the_coordinator_at_once():
+    # The coordinator sizes the total from the swarm's pace, and when the first epochs were slow it
+    # can name the next epoch: a peer that only asked every 5 s stepped past it (7 of 6).
+    started = time.time()
+    coordinator = {"schedule": RunSchedule(time_budget_s=20, started=started).to_dict()}
+    asked: list[float] = []
+
+    def fetch():
+        asked.append(time.monotonic())
+        return json.loads(json.dumps(coordinator))
+
+    schedule = Schedule(warmup_epochs=0, total_epochs=None)
+    watch = ScheduleWatch("http://coordinator", coordinator, schedule, poll_s=60, fetch=fetch).start()
+
+    def asked_within(count: int, seconds: float = 3.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while len(asked) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(asked) >= count
+
+    try:
+        assert not watch.at_end(4) and asked_within(1)  # a new epoch: asked at once, not in 4-6 s
+        assert not watch.at_end(4) and not asked_within(2, 0.5)  # the same epoch's other steps do not ask
+        coordinator["schedule"] = RunSchedule(time_budget_s=20, started=started, total_epochs=6, sized_at=time.time(),
+                                              sized_epoch=5).to_dict()
+        assert not watch.at_end(5) and asked_within(2)
+        assert schedule.total_epochs == 6 and watch.at_end(6)  # heard in epoch 5: it leaves at 6, not past it
+        later = len(asked)
+        assert not watch.at_end(4) and not asked_within(later + 1, 0.5), "once the total is known, epochs do not ask"
+    finally:
+        watch.stop()
+
+
 def test_a_coordinator_that_is_down_leaves_the_volunteers_schedule_as_it_was():
     schedule = Schedule(warmup_epochs=2, total_epochs=60)
     watch = ScheduleWatch("http://127.0.0.1:9", {"schedule": RunSchedule(total_epochs=60, warmup_epochs=2).to_dict()},

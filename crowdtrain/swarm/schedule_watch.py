@@ -3,7 +3,8 @@
 The organizer extends a live run by restarting the coordinator with a larger total (or a time
 budget the coordinator sizes into one, ``crowdtrain.runspec.schedule``); the coordinator's
 ``GET /api/join`` then hands out the new ``schedule``. :class:`ScheduleWatch` re-reads it every
-``poll_s`` seconds (15; 5 while a time budget's total is still unknown) in a thread of its own,
+``poll_s`` seconds (15; while a time budget's total is still unknown, every 5 and at each new
+epoch, so that a total sized an epoch ahead is heard before the peer steps past it) in a thread of its own,
 one request with a short timeout each time (a coordinator that is down or slow costs nothing but
 a debug line: the peer keeps the schedule it has), and moves the :class:`crowdtrain.optim.Schedule`
 the optimizer reads at every step. Tuning: a shorter ``poll_s`` brings peers closer to each other
@@ -121,6 +122,8 @@ class ScheduleWatch:
         self._reported: set = set()  # differences already logged
         self.state = run_schedule(joined)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ask now (a new epoch while the total is being sized)
+        self._epoch_asked: int | None = None
         self._thread: threading.Thread | None = None
         self.polls = self.failures = 0
 
@@ -186,12 +189,15 @@ class ScheduleWatch:
         # a time budget is being sized the total arrives soon and once: ask more often then.
         while True:
             every = self.poll_s if self.schedule.total_epochs is not None else min(self.poll_s, SIZING_POLL_S)
-            if self._stop.wait(every * random.uniform(0.8, 1.2)):
+            self._wake.wait(every * random.uniform(0.8, 1.2))
+            self._wake.clear()
+            if self._stop.is_set():
                 return
             self.poll_once()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(self.timeout_s + 1)
 
@@ -205,7 +211,12 @@ class ScheduleWatch:
     def at_end(self, epoch: int) -> bool:
         """Whether a peer at global epoch ``epoch`` has reached the run's end. At the total it knows,
         it first asks the coordinator again (for up to ``confirm_s`` if it does not answer): the
-        organizer may have extended the run a moment ago."""
+        organizer may have extended the run a moment ago. While a time budget's total is being
+        sized, a new epoch wakes the watch's thread to ask at once (the request is the thread's:
+        a slow coordinator does not hold the step)."""
+        if self.state.sizing and epoch != self._epoch_asked:
+            self._epoch_asked = epoch
+            self._wake.set()
         if not self.schedule.finished(epoch):
             return False
         deadline = time.monotonic() + self.confirm_s
@@ -224,8 +235,8 @@ class ScheduleWatch:
         """After the last step: wait (at most ``timeout_s``) until the coordinator has saved a
         checkpoint of the run's last epoch, downloading it from the peers still here. True if it
         has. ``epoch``: this peer's; past the total when the total reached it late (while it is
-        being sized to a time budget a peer asks every ``SIZING_POLL_S``, and a total sized an
-        epoch ahead can be passed first). The coordinator saves the total's checkpoint, never a
+        being sized to a time budget a peer asks at each new epoch, and a total sized just after
+        it asked can be passed first). The coordinator saves the total's checkpoint, never a
         later one, so a peer waiting for its own epoch waited the whole minute for nothing."""
         total = self.schedule.total_epochs
         epoch = min(epoch, total) if total is not None else epoch
