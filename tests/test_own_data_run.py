@@ -24,10 +24,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def crowdtrain(*args: str, timeout: float = 240) -> str:
-    out = subprocess.run([sys.executable, "-m", "crowdtrain.cli", *args], capture_output=True, text=True,
-                         timeout=timeout)
-    assert out.returncode == 0, (args, out.stdout[-2000:], out.stderr[-3000:])
-    return out.stdout
+    return crowdtrain_at_once(args, timeout=timeout)[0]
+
+
+def crowdtrain_at_once(*commands: tuple[str, ...], timeout: float = 240) -> list[str]:
+    """Independent steps of the guide side by side (the second core is otherwise idle while each
+    imports torch); each one's output, in order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "crowdtrain.cli", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    outs = []
+    for args, proc in zip(commands, procs):
+        stdout, stderr = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, (args, stdout[-2000:], stderr[-3000:])
+        outs.append(stdout)
+    return outs
 
 
 def image_folder(folder, num: int, seed: int):
@@ -50,10 +60,12 @@ def test_the_guide_with_own_images_by_the_command_line_alone_to_the_end_of_its_t
 
     # Step 2 of the guide: an image tokenizer and a text tokenizer of one's own, then shards.
     vq, text = tmp_path / "my_vq.safetensors", tmp_path / "my_text_tokenizer.json"
-    crowdtrain("tokenizer", "train", "--data", str(images), "--out", str(vq), "--steps", "30", "--batch-size", "8")
+    crowdtrain_at_once(("tokenizer", "train", "--data", str(images), "--out", str(vq), "--steps", "30", "--batch-size",
+                        "8"),
+                       ("tokenizer", "train-text", "--data", str(images), "--out", str(text), "--vocab-size", "128"))
     assert not vq.with_name(vq.name + ".resume.safetensors").exists()
-    crowdtrain("tokenizer", "train-text", "--data", str(images), "--out", str(text), "--vocab-size", "128")
     shards = tmp_path / "shards"
+    # One after the other: both splits' runs rewrite the folder's manifest.
     said = crowdtrain("data", "prepare", "--input", str(images), "--out", str(shards), "--image-tokenizer", str(vq))
     assert "60 rows" in said and "skipped nothing" in said and "tokenizer fit: PSNR" in said, said
     assert (shards / "fit_report-train.png").is_file()
@@ -111,15 +123,16 @@ def test_the_guide_with_own_images_by_the_command_line_alone_to_the_end_of_its_t
 
     # Step 8: draw from the last checkpoint with the run's own tokenizers (saved into it).
     checkpoint = sorted((swarm.run_dir / "checkpoints").glob("step-*"))[-1]
-    out = tmp_path / "drawn.png"
-    said = crowdtrain("generate", "--checkpoint", str(checkpoint), "a green gradient number 2", "--num-samples", "4",
-                      "--keep", "2", "--out", str(out))
-    assert "best 2 of 4" in said and np.asarray(Image.open(out)).shape == (4 * 68, 4 * (2 * 66 + 2), 3)
+    one, rows = tmp_path / "drawn.png", tmp_path / "drawn_rows.png"
     prompts_file = tmp_path / "to_draw.txt"
     prompts_file.write_text("a blue checkerboard number 1\n# not this\na green gradient number 2\n")
-    said = crowdtrain("generate", "--checkpoint", str(checkpoint), "--prompts", str(prompts_file), "--num-samples",
-                      "4", "--keep", "2", "--out", str(out))
-    assert "2 rows, one per prompt" in said and np.asarray(Image.open(out)).shape[0] == 4 * (2 * 66 + 2)
+    said_one, said_rows = crowdtrain_at_once(
+        ("generate", "--checkpoint", str(checkpoint), "a green gradient number 2", "--num-samples", "4", "--keep", "2",
+         "--out", str(one)),
+        ("generate", "--checkpoint", str(checkpoint), "--prompts", str(prompts_file), "--num-samples", "4", "--keep",
+         "2", "--out", str(rows)))
+    assert "best 2 of 4" in said_one and np.asarray(Image.open(one)).shape == (4 * 68, 4 * (2 * 66 + 2), 3)
+    assert "2 rows, one per prompt" in said_rows and np.asarray(Image.open(rows)).shape[0] == 4 * (2 * 66 + 2)
 
 
 def check_the_run_ended(swarm: LocalSwarm) -> None:
