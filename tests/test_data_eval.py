@@ -157,6 +157,27 @@ def test_prepare_keeps_the_data_sets_name_across_splits(tmp_path):
     assert judges.dataset_name(tmp_path / "s") == "stripes"
 
 
+def test_two_splits_prepared_into_one_folder_at_the_same_time_keep_each_others_shards(tmp_path, monkeypatch):
+    # The valid split's run (another terminal) finishes while the train split's run is encoding its
+    # first shard: the train run read the manifest before valid was in it.
+    from crowdtrain.data import shards as shards_module
+
+    tok = load_image_tokenizer(random_vq(tmp_path / "vq.safetensors"))
+    out = tmp_path / "s"
+    write_shard, other_done = shards_module.write_shard, []
+
+    def write_while_the_other_run_finishes(path, rows):
+        if not other_done:
+            other_done.append(True)
+            prepare_shards(None, out, tok, split="valid", progress=False, items=(stripes_items(2, 1), 2))
+        return write_shard(path, rows)
+
+    monkeypatch.setattr(shards_module, "write_shard", write_while_the_other_run_finishes)
+    prepare_shards(None, out, tok, progress=False, shard_size=2, items=(stripes_items(4, 0), 4))
+    splits = json.loads((out / "shards.json").read_text())["splits"]
+    assert {split: sum(s["rows"] for s in entries) for split, entries in splits.items()} == {"train": 4, "valid": 2}
+
+
 # ---- generate with several prompts ---------------------------------------------------------------
 
 PROMPTS = ["a small red circle", "a large blue square on the left", "a green bar at the top"]

@@ -65,12 +65,13 @@ def test_the_guide_with_own_images_by_the_command_line_alone_to_the_end_of_its_t
                        ("tokenizer", "train-text", "--data", str(images), "--out", str(text), "--vocab-size", "128"))
     assert not vq.with_name(vq.name + ".resume.safetensors").exists()
     shards = tmp_path / "shards"
-    # One after the other: both splits' runs rewrite the folder's manifest.
-    said = crowdtrain("data", "prepare", "--input", str(images), "--out", str(shards), "--image-tokenizer", str(vq))
+    # Both splits at once, as two terminals would: each keeps the other's shards in the manifest.
+    said, _ = crowdtrain_at_once(("data", "prepare", "--input", str(images), "--out", str(shards), "--image-tokenizer",
+                                  str(vq)),
+                                 ("data", "prepare", "--input", str(valid), "--out", str(shards), "--image-tokenizer",
+                                  str(vq), "--split", "valid"))
     assert "60 rows" in said and "skipped nothing" in said and "tokenizer fit: PSNR" in said, said
     assert (shards / "fit_report-train.png").is_file()
-    crowdtrain("data", "prepare", "--input", str(valid), "--out", str(shards), "--image-tokenizer", str(vq),
-               "--split", "valid")
 
     # Step 4: the coordinator with both tokenizers by flag, the organizer's own prompts, and a
     # time budget (20 s of training here): the run sizes its total once it has measured its pace.

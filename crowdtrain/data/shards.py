@@ -16,7 +16,9 @@ A folder of shards holds ``{split}-{index:05d}.parquet`` and ``shards.json`` (th
 image tokenizer's digest and grid, and per shard its rows and what was skipped). ``prepare``
 cuts the input into fixed runs of ``shard_size`` items in a deterministic order, writes each
 shard to a temporary name and renames it when complete, and rewrites the manifest after each
-shard: after an interrupt, the same command skips the finished shards and continues.
+shard: after an interrupt, the same command skips the finished shards and continues. The
+manifest is rewritten from what is on disk, under a lock on the folder, so runs of different
+splits into one folder at the same time keep each other's shards.
 """
 
 from __future__ import annotations
@@ -269,7 +271,7 @@ def prepare_shards(source, out_dir, tokenizer, *, split: str = "train", shard_si
                  "shard_size": shard_size}
         entries = [e for e in manifest["splits"].get(split, []) if e["index"] != index] + [entry]
         manifest["splits"][split] = sorted(entries, key=lambda e: e["index"])
-        _write_json(manifest_path, manifest)
+        _add_to_manifest(manifest_path, manifest, split, entry)
         summary.shards_written += 1
         summary.rows += n
         summary.skipped.update(skipped)
@@ -433,6 +435,32 @@ def format_fit_report(report: dict | None, tokenizer_name: str) -> str:
             "a tokenizer on your images (`crowdtrain tokenizer train --data DIR --out my_vq.safetensors`, and "
             "prepare with `--image-tokenizer my_vq.safetensors`), or for 256x256 photographs convert the "
             "paper's VQGAN (`crowdtrain tokenizer convert`).")
+
+
+def _add_to_manifest(path: Path, fresh: dict, split: str, entry: dict) -> None:
+    """Write ``entry`` (a shard of ``split``) into the manifest at ``path`` as it is on disk now,
+    under a lock on its folder: two ``data prepare`` runs of different splits into one folder (two
+    terminals, or a script's parallel jobs) each keep the other's shards. ``fresh``: this run's
+    manifest, written as it is when there is none on disk yet."""
+    import fcntl
+
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        manifest = json.loads(path.read_text()) if path.exists() else fresh
+        theirs = manifest.get("image_tokenizer", {}).get("digest")
+        if theirs != fresh["image_tokenizer"]["digest"]:
+            raise ValueError(f"{path.parent} now holds shards made with another image tokenizer "
+                             f"({manifest.get('image_tokenizer')}), written while this run was going on; "
+                             "use a new --out folder")
+        splits = manifest.setdefault("splits", {})
+        entries = [e for e in splits.get(split, []) if e["index"] != entry["index"]] + [entry]
+        splits[split] = sorted(entries, key=lambda e: e["index"])
+        if fresh.get("dataset") is not None:
+            manifest["dataset"] = fresh["dataset"]
+        _write_json(path, manifest)
+    finally:
+        os.close(folder)  # and with it the lock
 
 
 def _write_json(path: Path, obj) -> None:
