@@ -116,9 +116,9 @@ def pytest_xdist_make_scheduler(config, log):
     return LongestFirst(config, log)
 
 
-# What a worker off the swarm lane runs yields the CPU to the lane: nice 10 for the worker and
-# every process its tests start (CFS gives it about a tenth of a core's share against the
-# lane's processes at 0). The lane's swarms then run about as fast as alone, and the rest of the
+# What a worker off the swarm lane runs yields the CPU to the lane: nice 5 for the worker and
+# every process its tests start (CFS gives it about a third of the share of a lane's process or
+# session at 0). The lane's swarms then run about as fast as alone, and the rest of the
 # suite fills the time their peers wait on rounds. Those other tests' timing margins are wide
 # (seconds against minutes); the lane's are not.
 #
@@ -128,8 +128,10 @@ def pytest_xdist_make_scheduler(config, log):
 # process in its own session took half a core from a nice 0 one, not a tenth. crowdtrain's own
 # launches carry their niceness into their session (``crowdtrain.lifecycle.own_session_child``);
 # for the others (kernels, the browser, a test's own Popen) the worker looks over its processes
-# every NICE_SESSIONS_EVERY_S and does the same.
-YIELD_TO_THE_LANE = 10
+# every NICE_SESSIONS_EVERY_S and does the same. Not 10: a swarm's session beside the lane's five
+# or six then gets about 2% of the CPU while they are busy (6% at 5), and a volunteer's first DHT
+# ping to its coordinator went unanswered within hivemind's 3 s.
+YIELD_TO_THE_LANE = 5
 NICE_SESSIONS_EVERY_S = 1.0
 _sessions_watched = threading.Event()
 

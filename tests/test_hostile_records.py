@@ -94,7 +94,7 @@ def counter(swarm: LocalSwarm, name: str) -> int:
     return get_json(f"{swarm.url}/api/counters").get(name, 0)
 
 
-def wait_for(what: str, check, *, swarm: LocalSwarm, timeout_s: float = 45.0):
+def wait_for(what: str, check, *, swarm: LocalSwarm, timeout_s: float = 90.0):
     """``check()``'s first true value; after ``timeout_s``, fail with ``what`` and the auxiliary peer's log."""
     deadline = time.monotonic() + timeout_s
     while True:
