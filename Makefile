@@ -44,10 +44,10 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
-# Two pytest-xdist workers (12.5 to 28 minutes on a 2-core machine, with the machine's speed; one
+# Two pytest-xdist workers (12 to 28 minutes on a 2-core machine, with the machine's speed; one
 # test at a time, TEST_WORKERS=0, takes about 21 on the faster one). The tests marked `swarm` (real-process swarms whose checks
 # depend on timing) run one after another on one worker, first; the other worker takes the rest
-# of the suite at nice 10 (its tests' own sessions too, where the kernel schedules by session), so
+# of the suite at nice 5 (its tests' own sessions too, where the kernel schedules by session), so
 # the lane's peers get the CPU first and the rest fills the time they wait on rounds
 # (tests/conftest.py). Two such swarms at once starve each other's peers
 # past their margins (2 of 3 runs without the lane failed a check), and so, less often, does the

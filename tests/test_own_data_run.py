@@ -51,7 +51,7 @@ def image_folder(folder, num: int, seed: int):
 
 
 # In the swarm lane: its gallery needs the auxiliary peer to checkpoint while the volunteers
-# train, which a starved (nice 10) auxiliary peer beside a storm of newcomers did not; and the
+# train, which a starved (niced) auxiliary peer beside a storm of newcomers did not; and the
 # run is time-boxed (a starved run reaches fewer epochs).
 @pytest.mark.swarm
 def test_the_guide_with_own_images_by_the_command_line_alone_to_the_end_of_its_time_budget(tmp_path):

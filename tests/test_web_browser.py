@@ -27,8 +27,8 @@ EPOCHS = 4
 LOSS_POINTS = 3  # the dashboard test waits for this many plotted losses
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 # TRAINED_IN_THE_LANE: the tests of the trained run are in the swarm lane: its auxiliary peer must
-# record points and checkpoint while the volunteers train, and beside the lane's swarms (nice 10)
-# a volunteer's first DHT ping to the coordinator went unanswered within hivemind's 3 s.
+# record points and checkpoint while the volunteers train, and beside the lane's swarms (niced, with
+# their sessions) a volunteer's first DHT ping to the coordinator went unanswered within hivemind's 3 s.
 
 
 def require_chromium() -> None:

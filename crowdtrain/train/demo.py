@@ -53,7 +53,8 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
                    out_dir: str = "runs/demo", preset: str = "demo", data: str = "shapes",
                    swarm_preset: str = "laptop", swarm_overrides: dict | None = None,
                    model_overrides: dict | None = None, evaluate: bool = True, max_epochs: int | None = None,
-                   coordinator_args: list[str] = (), data_options: dict | None = None) -> dict:
+                   coordinator_args: list[str] = (), data_options: dict | None = None,
+                   eval_samples_per_prompt: int = 16) -> dict:
     """A coordinator and ``peers`` volunteers on this machine for ``minutes``; returns the summary.
 
     The learning-rate schedule is sized to the run: the swarm's throughput is estimated from a
@@ -63,7 +64,8 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
 
     ``data``: "shapes" (the bundled synthetic set), "emoji" (real pictures: see
     :func:`emoji_run_data`; ``data_options`` go to :func:`crowdtrain.data.emoji.ensure_emoji_shards`)
-    or a shard folder.
+    or a shard folder. ``eval_samples_per_prompt``: images drawn per prompt for the prompt
+    adherence of the last checkpoint (``evaluate``); fewer are quicker and noisier.
     """
     if peers < 1:
         raise ValueError(f"--peers must be >= 1, got {peers}")
@@ -150,7 +152,7 @@ def run_swarm_demo(*, peers: int = 3, minutes: float = 5.0, port: int = 8000, dh
     summary["swarm"] = {"preset": swarm_preset, **swarm_overrides}
     summary["samples_grid"] = write_samples(out, data=data)
     if evaluate and summary["checkpoint"]:
-        summary.update(evaluate_run(summary["checkpoint"], data))
+        summary.update(evaluate_run(summary["checkpoint"], data, samples_per_prompt=eval_samples_per_prompt))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
     return summary
