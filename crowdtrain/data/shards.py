@@ -269,8 +269,6 @@ def prepare_shards(source, out_dir, tokenizer, *, split: str = "train", shard_si
         n = write_shard(out / name, rows)
         entry = {"index": index, "file": name, "rows": n, "skipped": dict(skipped), "skipped_items": skipped_items,
                  "shard_size": shard_size}
-        entries = [e for e in manifest["splits"].get(split, []) if e["index"] != index] + [entry]
-        manifest["splits"][split] = sorted(entries, key=lambda e: e["index"])
         _add_to_manifest(manifest_path, manifest, split, entry)
         summary.shards_written += 1
         summary.rows += n
