@@ -128,7 +128,7 @@ def run_install_line(venv: Path, line: str, timeout_s: float = 900, *, byte_comp
     if not line.startswith("pip install "):
         raise ValueError(f"not an install line: {line!r}")
     env = None if byte_compile else dict(_env(venv), PIP_COMPILE="false")
-    return _run(["bash", "-c", line], venv, timeout_s, **({"env": env} if env else {}))
+    return _run(["bash", "-c", line], venv, timeout_s, env=env)
 
 
 def installed(venv: Path) -> dict[str, str]:

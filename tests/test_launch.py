@@ -136,7 +136,7 @@ def test_a_volunteer_leaves_cleanly_on_a_storm_of_sigterms_and_quits_at_once_on_
 NICED_SPAWN = """
 import os, sys, time
 from crowdtrain.launch import spawn
-mine = os.nice(10)  # 19 at most: the suite's yielding worker runs at 10 already
+mine = os.nice(10)  # 19 at most: the suite's yielding worker is niced already
 proc = spawn(["sleep", "5"], sys.argv[1])
 time.sleep(0.3)
 with open(f"/proc/{proc.pid}/autogroup") as f:
