@@ -43,8 +43,11 @@ def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_mode
     # (hivemind runs one update at a time), and its group waited for its part (3 of 8 traced
     # runs; 0 of 4 at 2048). State averaging every 3 epochs. Between state rounds, peers agree
     # because every peer that missed a round or got part of its average only downloads the state
-    # of those that averaged in full.
-    target = 2048
+    # of those that averaged in full. Every peer's steps are padded (a and b to 0.15 s, as devices
+    # a little slower than this machine's cores): the epochs last as long with fewer samples, and
+    # the three peers leave the machine's second core to the rest of the suite (at full speed, a
+    # and b took 1.8 cores between them for the same epochs).
+    target = 1152
     swarm = swarm_factory(swarm={"target_batch_size": target, "average_state_every": 3})
     swarm.start_coordinator()
     # At least `epochs` epochs, and on until a round had all three peers (the ledger check below
@@ -56,8 +59,9 @@ def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_mode
                                     "--model", "head_dim=8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Unequal peers: different batch sizes, and a slower device behind NAT (client mode: it
     # accepts no connections and averages through its outbound ones).
-    swarm.join("a", batch_size=16, max_epochs=cap)
-    swarm.join("b", batch_size=8, max_epochs=cap, extra=["--inject-fault", "nan-every=4"])
+    pace = ["--simulated-step-s", "0.15"]
+    swarm.join("a", batch_size=16, max_epochs=cap, extra=pace)
+    swarm.join("b", batch_size=8, max_epochs=cap, extra=["--inject-fault", "nan-every=4", *pace])
     swarm.join("c", batch_size=4, max_epochs=cap, extra=["--simulated-step-s", "0.3", "--client-mode"])
     _, refusal = other_model.communicate(timeout=120)
     assert other_model.returncode == 2, refusal
