@@ -75,16 +75,18 @@ def fresh_start_failures(summaries: dict[str, dict], *, rounds: int) -> list:
 
 def newcomer_storm(tmp: Path, *, newcomers: int = 4, base_peers: int = 3, mode: str = "sync",
                    target_batch_size: int = 1536, max_state_uploads: int = 1, upload_delay_s: float = 0.0,
-                   storm_at_epoch: int = 2, epochs_after: int = 4, step_s: float = 0.0,
+                   storm_at_epoch: int = 2, epochs_after: int = 4, step_s: float = 0.0, batch_size: int = 16,
                    matchmaking_time_s: float = 6.0, timeout_s: float = 600.0) -> dict:
     """``base_peers`` train; at ``storm_at_epoch`` ``newcomers`` join at the same moment. Per
     newcomer: the donor it downloaded the state from, how long that took, the epoch it joined at
     and the epoch of its first step that credited its samples (the ledger's first credited round).
     ``step_s``: pad every peer's step to this (``--simulated-step-s``), so that seven peers on two
-    cores leave CPU to matchmaking, as peers on their own machines do. ``matchmaking_time_s``: the
-    tuning guide's (``crowdtrain.runspec.swarm``) for many peers sharing a machine's cores, where
-    a would-be leader's averager answers late; at 3 s (a 1 s request timeout) the round after a
-    storm fell apart into peers alone while the suite's other worker ran beside it."""
+    cores leave CPU to matchmaking, as peers on their own machines do. ``batch_size``: every
+    peer's; with padded steps, a smaller batch and target keep the epochs' length and halve the
+    compute. ``matchmaking_time_s``: the tuning guide's (``crowdtrain.runspec.swarm``) for many
+    peers sharing a machine's cores, where a would-be leader's averager answers late; at 3 s (a 1 s
+    request timeout) the round after a storm fell apart into peers alone while the suite's other
+    worker ran beside it."""
     swarm = LocalSwarm(tmp, swarm={"target_batch_size": target_batch_size, "mode": mode, "lr": 0.01,
                               "max_state_uploads": max_state_uploads, "checkpoint_every_epochs": 1000,
                               "matchmaking_time_s": matchmaking_time_s, "averaging_timeout_s": 60.0})
@@ -97,11 +99,11 @@ def newcomer_storm(tmp: Path, *, newcomers: int = 4, base_peers: int = 3, mode: 
         new = [f"new{i + 1}" for i in range(newcomers)]
         end = storm_at_epoch + epochs_after + 2  # newcomers start in about 2 epochs on a busy machine
         for name in base:
-            swarm.join(name, batch_size=16, max_epochs=end, extra=slow)
+            swarm.join(name, batch_size=batch_size, max_epochs=end, extra=slow)
         storm_epoch = swarm.wait_epoch(storm_at_epoch, timeout_s)["epoch"]
         t_storm = time.time()
         for name in new:
-            swarm.join(name, batch_size=16, max_epochs=end, extra=slow)
+            swarm.join(name, batch_size=batch_size, max_epochs=end, extra=slow)
         codes = {name: swarm.wait_exit(name, timeout_s) for name in base + new}
         wall_s = time.time() - t_storm
         summaries = {name: swarm.summary(name) for name in base + new}
