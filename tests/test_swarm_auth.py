@@ -45,7 +45,12 @@ def test_allowlist_run_on_postgres_admits_keys_refuses_strangers_revokes_and_kee
 
     db = postgres.new_database()
     # total_epochs: the volunteers train until the test stops them, never to the run's last epoch.
-    swarm = LocalSwarm(tmp_path, swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000})
+    # Steps padded to 0.2 s and epochs of 192 samples (about 2 s): the subject is who gets in and
+    # what is kept, and at full speed alice and bob took more than a core for the minute this run
+    # lasts (most of it waiting out bob's token), as volunteers on other machines would not.
+    swarm = LocalSwarm(tmp_path, swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000,
+                                        "target_batch_size": 192})
+    pace = ["--simulated-step-s", "0.2"]
     coordinator = ["--auth", "allowlist", "--token-lifetime-s", str(LIFETIME_S), "--db", db]
     try:
         keys = {name: add_user(swarm.run_dir, name, db) for name in ("alice", "bob")}
@@ -53,8 +58,8 @@ def test_allowlist_run_on_postgres_admits_keys_refuses_strangers_revokes_and_kee
         assert info["auth"]["mode"] == "allowlist"
         assert info["initial_peers"] == [], "an allowlist run gives its addresses only to holders of a key"
         info = json.loads((swarm.run_dir / "run.json").read_text())  # a stranger who learned them anyway
-        swarm.join("alice", batch_size=16, max_epochs=1000, extra=["--key", keys["alice"]])
-        swarm.join("bob", batch_size=8, max_epochs=1000, extra=["--key", keys["bob"]])
+        swarm.join("alice", batch_size=16, max_epochs=1000, extra=["--key", keys["alice"], *pace])
+        swarm.join("bob", batch_size=8, max_epochs=1000, extra=["--key", keys["bob"], *pace])
         # No key, or a made-up one: refused before any p2p start-up, with the fix in the message.
         nokey = swarm.join("mallory", batch_size=8, max_epochs=1)
         badkey = swarm.join("eve", batch_size=8, max_epochs=1, extra=["--key", "ct_made_up"])
