@@ -13,7 +13,10 @@ the module's last test. Two figures bound the wall time:
 - the swarm lane, the wall time of the tests marked ``swarm`` (they run one after another).
 
 To make the suite faster, cut the larger of the two: CPU (fewer swarm runs, fewer epochs, fewer
-peer processes) or the lane's wall time (shorter waits in its tests).
+peer processes) or the lane's wall time (shorter waits in its tests). A third figure says how far
+the wall time is above the floor: the machine's idle CPU while the suite ran (``idle_core_s``,
+from /proc/stat, in core-seconds), what both workers' tests spent waiting on rounds, restarts or
+a browser at the same moments.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,6 +85,43 @@ def table(summary: dict, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def cpu_times(stat: str) -> tuple[int, int]:
+    """(idle, total) jiffies of all cores from /proc/stat's first line (idle counts iowait too)."""
+    fields = [int(v) for v in stat.splitlines()[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return fields[3] + fields[4], sum(fields)
+
+
+class IdleMeter:
+    """The machine's idle CPU, in core-seconds, between ``start()`` and ``stop()``."""
+
+    def __init__(self, read=lambda: Path("/proc/stat").read_text(), every_s: float = 1.0):
+        self.read, self.every_s = read, every_s
+        self.idle_core_s, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="idle-meter", daemon=True)
+
+    def sample(self, before: tuple[int, int], cores: int, wall_s: float) -> tuple[int, int]:
+        now = cpu_times(self.read())
+        idle, total = now[0] - before[0], now[1] - before[1]
+        if total > 0:
+            self.idle_core_s += idle / total * cores * wall_s
+        return now
+
+    def _run(self) -> None:
+        cores, last, t = os.cpu_count() or 1, cpu_times(self.read()), time.monotonic()
+        while not self._stop.wait(self.every_s):
+            now = time.monotonic()
+            last, t = self.sample(last, cores, now - t), now
+
+    def start(self) -> "IdleMeter":
+        self._thread.start()
+        return self
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.idle_core_s
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers, as `make test` (0: one process)")
@@ -94,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, OUT_ENV: str(lines),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-n", str(args.workers), args.tests]
+    meter = IdleMeter().start()
     code = subprocess.run(command, env=env, check=False).returncode
+    idle_core_s = meter.stop()
     rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
     lines.unlink(missing_ok=True)
     summary = {**summarize(rows, os.cpu_count() or 1), "pytest_exit_code": code, "workers": args.workers,
-               "per_test": rows}
+               "idle_core_s": idle_core_s, "per_test": rows}
     print(table(summary))
+    print(f"the machine's idle CPU while the suite ran: {idle_core_s:.0f} core-seconds")
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out}")
     return code

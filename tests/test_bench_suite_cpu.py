@@ -39,3 +39,19 @@ def test_a_tests_cpu_counts_its_processes_and_the_lane_its_swarm_tests(tmp_path)
     assert abs(summary["cpu_floor_s"] * summary["cores"] - summary["cpu_s"]) < 1e-6
     assert summary["cpu_s"] >= burner["children_cpu_s"] and summary["pytest_exit_code"] == 0
     assert "a floor of" in done.stdout and "test_two.py" in done.stdout, done.stdout
+    assert 0 <= summary["idle_core_s"] and "idle CPU while the suite ran" in done.stdout, done.stdout
+
+
+def test_the_idle_meter_counts_the_machines_idle_core_seconds_from_proc_stat():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_suite_cpu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # user nice system idle iowait irq softirq steal (guest, guest_nice: within user, not summed)
+    before = bench.cpu_times("cpu  100 0 50 800 50 0 0 0 7 7\ncpu0 1 2 3\n")
+    assert before == (850, 1000)
+    meter = bench.IdleMeter(read=lambda: "cpu  250 0 100 1000 50 0 0 0 9 9\n")
+    assert meter.sample(before, cores=2, wall_s=10.0) == (1050, 1400)
+    # 200 of 400 jiffies idle over 10 s on 2 cores: 10 idle core-seconds.
+    assert meter.idle_core_s == 10.0
