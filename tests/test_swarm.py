@@ -43,10 +43,10 @@ def test_three_unequal_peers_one_behind_nat_train_one_model_and_a_different_mode
     # (hivemind runs one update at a time), and its group waited for its part (3 of 8 traced
     # runs; 0 of 4 at 2048). State averaging every 3 epochs. Between state rounds, peers agree
     # because every peer that missed a round or got part of its average only downloads the state
-    # of those that averaged in full. Every peer's steps are padded (a and b to 0.15 s, as devices
-    # a little slower than this machine's cores): the epochs last as long with fewer samples, and
-    # the three peers leave the machine's second core to the rest of the suite (at full speed, a
-    # and b took 1.8 cores between them for the same epochs).
+    # of those that averaged in full. Every peer's steps are padded (a and b to 0.15 s, devices a
+    # little slower than this machine's cores) toward a smaller target: the epochs last as long
+    # with fewer samples, on about a quarter less CPU, which the rest of the suite gets (alone: 73 s
+    # of CPU instead of 99 at full speed toward 2048).
     target = 1152
     swarm = swarm_factory(swarm={"target_batch_size": target, "average_state_every": 3})
     swarm.start_coordinator()
