@@ -53,15 +53,19 @@ def swarm(tmp_path_factory, python_with_torch):
     tmp = tmp_path_factory.mktemp("zero")
     # The bundled shapes, 2,000 of them: `--data shapes` makes 50,000 once per machine (minutes on
     # a fresh 2-core one, past the coordinator's start-up wait), and a few minutes of training
-    # see fewer. A run that goes on while the module runs; a checkpoint every 2 epochs for the
-    # drawing notebook.
+    # see fewer. A run that goes on while the module runs.
     shards = ensure_demo_shards(tmp / "shapes", num_train=2000)
-    swarm = LocalSwarm(tmp, data=str(shards), swarm={"total_epochs": 100_000, "checkpoint_every_epochs": 2})
+    # Epochs of 96 samples: a newcomer is credited at the end of the epoch its samples went into,
+    # and the notebooks' volunteer, starved beside the lane's runs, adds few (with 384, epochs of up
+    # to a minute held the join notebook's test 197 s). A checkpoint every 4 epochs, for the
+    # drawing notebook.
+    swarm = LocalSwarm(tmp, data=str(shards), swarm={"total_epochs": 100_000, "target_batch_size": 96,
+                                                     "checkpoint_every_epochs": 4})
     swarm.start_coordinator()
     # At a slow device's pace (steps padded to 1 s): the run lasts the whole module, and its peer
     # is there to serve the state and average with the newcomers, not to train; at full speed it
     # would take half a core from the fresh volunteer and the notebooks' kernels (a fifth at 0.25 s).
-    # Alone it ends an epoch (384 samples) every 48 s; the newcomers make them shorter.
+    # Alone it ends an epoch every 12 s.
     swarm.join("first", batch_size=8, max_epochs=100_000, extra=["--simulated-step-s", "1.0"])
     yield swarm
     swarm.close()
