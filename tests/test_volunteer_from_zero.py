@@ -56,9 +56,9 @@ def swarm(tmp_path_factory, python_with_torch):
     # see fewer. A run that goes on while the module runs.
     shards = ensure_demo_shards(tmp / "shapes", num_train=2000)
     # Epochs of 96 samples: a newcomer is credited at the end of the epoch its samples went into,
-    # and the notebooks' volunteer, starved beside the lane's runs, adds few (with 384, epochs of up
-    # to a minute held the join notebook's test 197 s). A checkpoint every 4 epochs, for the
-    # drawing notebook.
+    # and the notebooks' volunteer, starved beside the lane's runs, adds few (384 at this pace are
+    # epochs of up to a minute, which a notebook then waits out). A checkpoint every 4 epochs, for
+    # the drawing notebook.
     swarm = LocalSwarm(tmp, data=str(shards), swarm={"total_epochs": 100_000, "target_batch_size": 96,
                                                      "checkpoint_every_epochs": 4})
     swarm.start_coordinator()
