@@ -34,18 +34,21 @@ def digests_by_epoch(summaries: dict[str, dict], *, skip_overtaken: bool) -> dic
 @pytest.mark.swarm
 @pytest.mark.timeout(420)
 def test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_up(swarm_factory):
-    # Rounds of 768 samples: about 16 inner steps per peer, several matchmaking windows.
-    swarm = swarm_factory(swarm={"mode": "diloco", "target_batch_size": 768, "lr": 0.003, "warmup_epochs": 1,
+    # Rounds of 384 samples: about 20 inner steps per peer, several matchmaking windows. Batches
+    # of 8 in steps padded to 0.1 s: the rounds and epochs of batches of 16 at full speed on half
+    # of their CPU (what the steps cost), which the other worker's tests get.
+    swarm = swarm_factory(swarm={"mode": "diloco", "target_batch_size": 384, "lr": 0.003, "warmup_epochs": 1,
                                  "total_epochs": 20, "checkpoint_every_epochs": 2})
     swarm.start_coordinator()
     # The newcomer can take 30 s to start on a loaded machine, and epochs here last about 5 s: leave
     # it rounds to share (with 9, it joined at epoch 5 or 6 and one CI run had it share none).
     epochs = 12
-    swarm.join("a", batch_size=16, max_epochs=epochs)
-    swarm.join("b", batch_size=16, max_epochs=epochs)
-    swarm.join("slow", batch_size=8, max_epochs=epochs, extra=["--simulated-step-s", "0.25"])
+    pace = ["--simulated-step-s", "0.1"]
+    swarm.join("a", batch_size=8, max_epochs=epochs, extra=pace)
+    swarm.join("b", batch_size=8, max_epochs=epochs, extra=pace)
+    swarm.join("slow", batch_size=4, max_epochs=epochs, extra=["--simulated-step-s", "0.25"])
     swarm.wait_epoch(1, 240)
-    swarm.join("newcomer", batch_size=16, max_epochs=epochs)
+    swarm.join("newcomer", batch_size=8, max_epochs=epochs, extra=pace)
     names = ("a", "b", "slow", "newcomer")
     for name in names:
         assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
@@ -159,8 +162,8 @@ def check_attacked_run(swarm, epochs) -> None:
         assert honest["suspects_found"] >= grouped - 1, (name, honest, rounds)
         found[name] = honest["suspects_found"]
     assert sum(found.values()) >= 2 * (epochs - 1), found  # two honest peers or more in every round's group
-    samples = sum(swarm.summary(n)["samples"] for n in "abc")
-    assert samples >= (epochs - 1) * 768 + 3 / 4 * 768, samples
+    samples, target = sum(swarm.summary(n)["samples"] for n in "abc"), swarm.swarm["target_batch_size"]
+    assert samples >= (epochs - 1) * target + 3 / 4 * target, samples
 
 
 # One rerun: two swarms side by side on a 2-core machine, where hivemind's matchmaking now and
@@ -175,7 +178,8 @@ def test_overlapped_outer_rounds_agree_and_centered_clip_holds_off_a_scaling_att
     """Two DiLoCo runs side by side, each its own coordinator and folder (their subjects are
     apart; the machine's two cores are mostly idle while peers wait on rounds): overlapped outer
     rounds (``check_overlapped_run``) and centered clip against an attacker (``check_attacked_run``)."""
-    base = {"mode": "diloco", "target_batch_size": 768, "lr": 0.003, "warmup_epochs": 1, "total_epochs": 20}
+    # Batches of 8 toward 384 samples: the inner steps of batches of 16 toward 768 on half their CPU.
+    base = {"mode": "diloco", "target_batch_size": 384, "lr": 0.003, "warmup_epochs": 1, "total_epochs": 20}
     overlapped = swarm_factory(swarm={**base, "overlap_outer_round": True})
     attacked = swarm_factory(swarm={**base, "aggregation": "centered_clip"})
     attacked.tmp = tmp_path / "attacked"
@@ -189,9 +193,9 @@ def test_overlapped_outer_rounds_agree_and_centered_clip_holds_off_a_scaling_att
     # Steps of 0.2 s or more: peers reach the sync point up to a tracker refresh apart, so the
     # first to start a round waits for the others for several of its own steps.
     for name in ("a", "b", "c"):
-        overlapped.join(name, batch_size=16, max_epochs=overlapped_epochs, extra=["--simulated-step-s", "0.2"])
-        attacked.join(name, batch_size=16, max_epochs=attacked_epochs)
-    attacked.join("evil", batch_size=16, max_epochs=attacked_epochs, extra=["--inject-fault", "attack=scale"])
+        overlapped.join(name, batch_size=8, max_epochs=overlapped_epochs, extra=["--simulated-step-s", "0.2"])
+        attacked.join(name, batch_size=8, max_epochs=attacked_epochs)
+    attacked.join("evil", batch_size=8, max_epochs=attacked_epochs, extra=["--inject-fault", "attack=scale"])
     for swarm, names in ((attacked, "abc"), (overlapped, "abc"), (attacked, ["evil"])):
         for name in names:
             assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]

@@ -209,15 +209,18 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
 
     shards = ensure_demo_shards(tmp_path / "shapes", num_train=300)
     # total_epochs: the volunteers train until the test stops them, never to the run's last epoch.
-    swarm = swarm_factory(data=str(shards), swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000})
+    # Batches of 8 toward 192 samples in steps padded to 0.15 s: epochs of batches of 16 toward 384
+    # at full speed (about 3 s, 8 steps a peer) on half the CPU their steps took.
+    swarm = swarm_factory(data=str(shards), swarm={"checkpoint_every_epochs": 2, "total_epochs": 100_000,
+                                                   "target_batch_size": 192})
     first = swarm.start_coordinator(extra=SHAPES_MODEL)
     assert first["task"]["data"].endswith("/shards"), "the volunteers stream from the coordinator"
     # A peer reads shards only as its shuffle buffer refills, half of it at a time: 128 rows (every
     # few steps) with this buffer, so each peer meets the outage and the source's return within
     # seconds (1,024 rows by default: 20 s or more apart at this pace).
-    stream = ["--shuffle-buffer", "256"]
+    stream = ["--shuffle-buffer", "256", "--simulated-step-s", "0.15"]
     for name in ("a", "b", "victim"):
-        swarm.join(name, batch_size=16, max_epochs=1000, extra=stream)
+        swarm.join(name, batch_size=8, max_epochs=1000, extra=stream)
     swarm.wait_epoch(3, 180)
     # SIGKILL to the victim's top process only, as the OOM killer does: the others go on within one
     # averaging timeout, and the victim's own DHT, averager and p2p daemon processes end too.
@@ -229,7 +232,7 @@ def test_churn_a_killed_peer_a_newcomer_and_a_coordinator_outage(swarm_factory, 
     killed_at = swarm.status()["epoch"]
     swarm.wait_epoch(killed_at + 2, 30 + 90)
 
-    swarm.join("newcomer", batch_size=16, max_epochs=1000, extra=stream)
+    swarm.join("newcomer", batch_size=8, max_epochs=1000, extra=stream)
     deadline = time.monotonic() + 180
     while "joined run" not in swarm.log("newcomer"):
         assert time.monotonic() < deadline, swarm.log("newcomer")[-3000:]
