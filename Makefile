@@ -44,8 +44,9 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
-# Two pytest-xdist workers (12 to 28 minutes on a 2-core machine, with the machine's speed; one
-# test at a time, TEST_WORKERS=0, takes about 21 on the faster one). The tests marked `swarm` (real-process swarms whose checks
+# Two pytest-xdist workers (11:20 to 11:35 in three fresh runs on the 2-core machine the suite is
+# timed on, longer on a slower or busier one; one test at a time, TEST_WORKERS=0, takes about
+# 21). The tests marked `swarm` (real-process swarms whose checks
 # depend on timing) run one after another on one worker, first; the other worker takes the rest
 # of the suite at nice 5 (its tests' own sessions too, where the kernel schedules by session), so
 # the lane's peers get the CPU first and the rest fills the time they wait on rounds
