@@ -17,6 +17,12 @@ peer processes) or the lane's wall time (shorter waits in its tests). A third fi
 the wall time is above the floor: the machine's idle CPU while the suite ran (``idle_core_s``,
 from /proc/stat, in core-seconds), what both workers' tests spent waiting on rounds, restarts or
 a browser at the same moments.
+
+``--by-process`` also says which kinds of process spent the CPU (volunteers, their p2p daemons,
+the coordinators' auxiliary peers, the test workers themselves...), from /proc every 2 s: what
+to make cheaper when a swarm test's CPU is mostly start-up or protocol rather than its steps.
+A process that lives less than the interval is missed there (its test's figure counts it); a
+sample takes about 3 ms of CPU with a hundred processes running.
 """
 
 from __future__ import annotations
@@ -122,11 +128,94 @@ class IdleMeter:
         return self.idle_core_s
 
 
+# (kind, what its command line holds): the first kind that matches wins. A volunteer's DHT and
+# averager processes are forks of it, with its command line.
+PROCESS_KINDS = (
+    ("volunteers", ("crowdtrain.cli join", "crowdtrain join")),
+    ("coordinators", ("crowdtrain.cli coordinator", "crowdtrain coordinator")),
+    ("auxiliary peers", ("crowdtrain.auxpeer",)),
+    ("p2p daemons", ("p2pd",)),
+    ("notebook kernels", ("ipykernel",)),
+    ("browsers", ("chrom", "playwright")),
+    ("pip", ("-m pip", "bin/pip")),
+    ("other crowdtrain commands", ("crowdtrain.cli", "bin/crowdtrain")),
+    ("test workers", ("pytest", "exec(eval(")),  # pytest-xdist starts its workers with `python -c`
+    ("this benchmark", ("bench_suite_cpu.py",)),
+)
+
+
+def process_kind(command: str) -> str:
+    if not command:
+        return "kernel threads"
+    return next((kind for kind, marks in PROCESS_KINDS if any(m in command for m in marks)), "other")
+
+
+def read_processes(proc: Path = Path("/proc")) -> dict[tuple[int, int], tuple[float, str]]:
+    """Every process now: (pid, start time in ticks) -> (CPU seconds so far, command line)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            continue  # it ended while being read
+        found[(int(entry.name), int(fields[19]))] = ((int(fields[11]) + int(fields[12])) / tick, command)
+    return found
+
+
+class ProcessMeter:
+    """CPU by kind of process (``PROCESS_KINDS``) between ``start()`` and ``stop()``: a process
+    already running at the first sample counts from there, a later one from its start."""
+
+    def __init__(self, read=read_processes, every_s: float = 2.0):
+        self.read, self.every_s = read, every_s
+        self.baseline: dict[tuple[int, int], float] = {}
+        self.last: dict[tuple[int, int], tuple[float, str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="process-meter", daemon=True)
+
+    def sample(self) -> None:
+        first = not self.last
+        for key, (cpu_s, command) in self.read().items():
+            known = self.last.get(key)
+            if known is None:
+                self.baseline[key] = cpu_s if first else 0.0
+            # An exited process not yet reaped (a zombie) reads with no command line: keep its own.
+            self.last[key] = (cpu_s, command or (known[1] if known else ""))
+
+    def by_kind(self) -> dict[str, float]:
+        kinds: dict[str, float] = {}
+        for key, (cpu_s, command) in self.last.items():
+            kind = process_kind(command)
+            kinds[kind] = kinds.get(kind, 0.0) + cpu_s - self.baseline[key]
+        return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def start(self) -> "ProcessMeter":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return self.by_kind()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers, as `make test` (0: one process)")
     parser.add_argument("--tests", default="tests", help="what pytest runs (a folder, a file or a node id)")
     parser.add_argument("--out", default=str(HERE / "results" / "suite_cpu.json"))
+    parser.add_argument("--by-process", action="store_true",
+                        help="also the CPU by kind of process (volunteers, p2p daemons, ...), sampled from /proc")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -136,14 +225,19 @@ def main(argv: list[str] | None = None) -> int:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "bench_suite_cpu", "-n", str(args.workers), args.tests]
     meter = IdleMeter().start()
+    processes = ProcessMeter().start() if args.by_process else None
     code = subprocess.run(command, env=env, check=False).returncode
     idle_core_s = meter.stop()
+    by_kind = processes.stop() if processes else None
     rows = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
     lines.unlink(missing_ok=True)
     summary = {**summarize(rows, os.cpu_count() or 1), "pytest_exit_code": code, "workers": args.workers,
-               "idle_core_s": idle_core_s, "per_test": rows}
+               "idle_core_s": idle_core_s, "cpu_by_process_kind": by_kind, "per_test": rows}
     print(table(summary))
     print(f"the machine's idle CPU while the suite ran: {idle_core_s:.0f} core-seconds")
+    if by_kind:
+        print("CPU by kind of process (sampled every 2 s): "
+              + ", ".join(f"{kind} {cpu_s:.0f} s" for kind, cpu_s in by_kind.items() if cpu_s >= 0.05))
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out}")
     return code
