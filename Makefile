@@ -44,7 +44,7 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/crowdtrain demo
 
-# Two pytest-xdist workers (11:20 to 11:35 in three fresh runs on the 2-core machine the suite is
+# Two pytest-xdist workers (11:20 to 11:44 in four fresh runs on the 2-core machine the suite is
 # timed on, longer on a slower or busier one; one test at a time, TEST_WORKERS=0, takes about
 # 21). The tests marked `swarm` (real-process swarms whose checks
 # depend on timing) run one after another on one worker, first; the other worker takes the rest
