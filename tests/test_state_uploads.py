@@ -153,3 +153,27 @@ def test_a_suspect_donor_is_asked_last_even_with_a_newer_state():
         assert state is not None and state[0]["epoch"] == 6, state
     finally:
         shut_down([suspect, honest, newcomer], [root, *dhts])
+
+
+@pytest.mark.timeout(120)
+def test_a_downloader_that_needs_a_newer_epoch_never_fetches_an_older_state():
+    """A peer whose round failed (DiLoCo's lost-branch wait) needs this epoch's state or none: a
+    donor offering an older one (the coordinator's last checkpoint) is not asked at all, rather
+    than being downloaded and thrown away once a second. Asked without a floor, the same donor
+    serves as before."""
+    root = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = hivemind.DHT(start=True, initial_peers=root.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    checkpoint = Peer(root, 2)
+    checkpoint.state_sharing_priority = 2.0
+    peer = Peer(dht, 3, allow_state_sharing=False)
+    try:
+        wait_until(lambda: root.get("storm.all_averagers", latest=True) is not None)
+        for _ in range(3):
+            assert peer.download_state(timeout=20, min_epoch=3) is None
+        assert checkpoint.upload_stats()["sent"] == 0, "an older state was downloaded to be thrown away"
+        assert peer.states_loaded.value == 0
+        state = peer.download_state(timeout=20, min_epoch=2)
+        assert state is not None and state[0]["epoch"] == 2
+        assert checkpoint.upload_stats()["sent"] == 1
+    finally:
+        shut_down([checkpoint, peer], [root, dht])

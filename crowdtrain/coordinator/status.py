@@ -61,7 +61,7 @@ def run_status(run_dir: Path, store: Store) -> dict:
     losses = [p["loss"] for p in live]
     task = info.task if info is not None else {}
     problems = [p for p in (info_problem, status_problem, _memorising(store), turned_away(store.counters())) if p]
-    for problem in (rounds_failing(status.rounds), rounds_short(status.rounds)) if live else ():
+    for problem in (rounds_failing(status.rounds, status.peers), rounds_short(status.rounds)) if live else ():
         if problem:
             problems.append(problem)
     return {"run_id": info.run_id if info is not None else None, "started": info is not None, "epoch": epoch,
@@ -112,10 +112,16 @@ def _public_peers(status) -> list[dict]:
     return _last_public[1]
 
 
-def rounds_failing(rounds: dict) -> str | None:
+def rounds_failing(rounds: dict, peers: list | None = None) -> str | None:
     """A problem line when many of the swarm's recent rounds averaged with nobody although other
     peers were training (hivemind's "Averaging step failed: could not find a group"); None while
-    rounds form. ``rounds``: ``status.json``'s ``rounds`` (crowdtrain.swarm.metrics.RoundHealth)."""
+    rounds form. ``rounds``: ``status.json``'s ``rounds`` (crowdtrain.swarm.metrics.RoundHealth);
+    ``peers``: its live peers' records.
+
+    It names a cause only where one is checked: every live peer in client mode (their records
+    announce no address) is one the coordinator sees; whether peers reach each other, each
+    volunteer checks itself after such a round and names the peers it cannot reach, and the
+    error, in its own log (``crowdtrain.swarm.rounds.LonelyRoundCheck``)."""
     try:
         total, apart = int(rounds.get("rounds", 0)), int(rounds.get("apart", 0))
         minutes = float(rounds.get("window_s", 300)) / 60
@@ -124,13 +130,18 @@ def rounds_failing(rounds: dict) -> str | None:
         return None
     if total < 4 or apart < max(2, total / 4):
         return None
-    return (f"averaging rounds are failing: in the last {minutes:.0f} minutes, {apart} of the {total} rounds peers took "
-            f"averaged with nobody although other peers were training (peers of {', '.join(users) or 'unknown users'}"
-            "). Each such round costs its peers an averaging timeout and leaves them on different models. "
-            "Check that volunteers can reach each other (the DHT port open; peers behind NAT join with "
-            "--client-mode, and at least one peer must accept connections), that no machine runs more volunteers "
-            "than it has cores (give each `crowdtrain join --threads 1`), and on slow or distant links raise "
-            "--swarm matchmaking_time_s (and averaging_timeout_s) when starting the coordinator.")
+    line = (f"averaging rounds are failing: in the last {minutes:.0f} minutes, {apart} of the {total} rounds peers "
+            f"took averaged with nobody although other peers were training (peers of "
+            f"{', '.join(users) or 'unknown users'}). Each such round costs its peers an averaging timeout and "
+            "leaves them on different models. ")
+    live = [p for p in peers or [] if isinstance(p, dict)]
+    if len(live) >= 2 and not any(p.get("maddrs") for p in live):
+        return line + (f"All {len(live)} training peers joined with --client-mode, and a client-mode peer can only "
+                       "join a group another peer leads: at least one volunteer must join without --client-mode "
+                       "from a machine that accepts connections.")
+    return line + ("After such a round each of their volunteers checks whether it can reach the other peers and "
+                   "says in its log which it cannot, and why ('this peer cannot reach ...'), or that every peer "
+                   "answered.")
 
 
 def turned_away(counters: dict) -> str | None:

@@ -68,7 +68,7 @@ from crowdtrain.swarm.hivemind_seam.records import state_offers_key
 from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import SuspectPeers, make_aggregator
-from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, StepClock,
+from crowdtrain.swarm.rounds import (LeftOutWatch, LonelyRoundCheck, RoundLog, RoundSummary, StateOffer, StepClock,
                                      gradient_round_lookahead_s, release_scheduled, swarm_epoch_now, tag_along)
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class DiLoCoAverager(StateUploadLimit, RobustAveragerMixin, DecentralizedAverage
                               min_epoch: int = 0) -> int | None:
         """Download the newest state into the global parameters and momentum; the epoch, or None
         (nobody to download from, or the best state is older than ``min_epoch``: keep ours)."""
-        loaded = super().load_state_from_peers(wait=True, timeout=timeout)
+        loaded = self.download_state(timeout=timeout, min_epoch=min_epoch)
         if loaded is None:
             return None
         metadata, tensors = loaded
@@ -305,6 +305,7 @@ class DiLoCoOptimizer:
         self.pending: OpenRound | None = None  # an overlapped round in flight (``overlap_outer_round``)
         self.rounds = RoundLog()
         self.offer = StateOffer(self.averager, client_mode=client_mode)
+        self.lonely = LonelyRoundCheck(dht, self.tracker)  # why a round found no group
         self.ledger = swarm_metrics.Ledger()
         self.blocked_s = 0.0  # time the trainer spent in rounds and state downloads instead of computing
         self._last_round_end = -float("inf")
@@ -637,6 +638,7 @@ class DiLoCoOptimizer:
             self._lost_round = LostRound(
                 epoch=new_epoch, grouped=bool(gathered) or after["bytes_sent"] > before["bytes_sent"],
                 groupmates=frozenset(p.to_bytes() for p in gathered if p != me) if gathered else None)
+        self.lonely.after(epoch, group_size=group_size, swarm_peers=swarm_peers)
         credited = self.ledger.credit(epoch=epoch, samples=round_.weight, group_size=group_size,
                                       swarm_peers=swarm_peers, discarded=diverged)
         if self._minority_base:

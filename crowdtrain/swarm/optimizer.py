@@ -31,8 +31,8 @@ from crowdtrain.swarm.hivemind_seam import check_hivemind_version
 from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam, RoundHooks
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import make_aggregator
-from crowdtrain.swarm.rounds import (LeftOutWatch, RoundLog, RoundSummary, StateOffer, nobody_else,
-                                     peers_behind, release_scheduled, swarm_epoch_now)
+from crowdtrain.swarm.rounds import (LeftOutWatch, LonelyRoundCheck, RoundLog, RoundSummary, StateOffer,
+                                     nobody_else, peers_behind, release_scheduled, swarm_epoch_now)
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,7 @@ class SwarmOptimizer(RoundHooks):
         self.hivemind = OptimizerSeam(hooks=self, access_guard=access_guard, state_uploads=state_uploads,
                                       **hivemind_kwargs)
         self.offer = StateOffer(self.state_averager, client_mode=self.client_mode)
+        self.lonely = LonelyRoundCheck(self.dht, self.tracker)  # why a round found no group
 
     # What sync mode reads of the hivemind.Optimizer it holds (and sets: the round it scheduled
     # ahead, and the state-averaging period for the step into its last epoch).
@@ -322,6 +323,7 @@ class SwarmOptimizer(RoundHooks):
             # (``CatchUp.resolve_partial``), and offer our state below theirs meanwhile.
             self._demote_state()
             self.catch_up.partial(epoch, time.monotonic() + 2 * self.next_chunk_timeout + self.matchmaking_time)
+        self.lonely.after(epoch, group_size=group_size, swarm_peers=swarm_peers)
         lost = self.catch_up.lost_epoch == epoch
         weight = maybe_step_control.weight if maybe_step_control is not None else 0.0
         credited = self.ledger.credit(epoch=epoch, samples=weight, group_size=group_size, swarm_peers=swarm_peers,

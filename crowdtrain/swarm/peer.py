@@ -20,6 +20,7 @@ import time
 import urllib.request
 from dataclasses import asdict
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -138,7 +139,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
     from crowdtrain.swarm.optimizer import StateUnavailable, all_finite, build_optimizer
     from crowdtrain.swarm.rounds import swarm_at_start, swarm_epoch_now
     from crowdtrain.noise import drop_exit_noise
-    from crowdtrain.swarm.reconnect import BootstrapWatch
+    from crowdtrain.swarm.reconnect import BootstrapWatch, choose_bootstrap_peers
 
     config = copy.copy(config)  # as resolved, in the summary; the caller's stays as given
     config.device, config.batch_size = device_name, batch_size
@@ -174,19 +175,21 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
         summary_extra["stopped_because"] = reason
         stop_event.set()
 
+    # One address family for the run's first DHT peer, the one libp2p routes through (see there).
+    bootstrap = choose_bootstrap_peers(info["initial_peers"], urlsplit(base).hostname)
     threads = machine.TorchThreads(config.torch_threads, Path(config.cache_dir).expanduser() / "volunteers")
     threads.start()
     threads_before, dht = set(threading.enumerate()), None
     try:
         with children_ignore_sigint():
             dht = guard_request_pipe(hivemind.DHT(
-                initial_peers=info["initial_peers"], client_mode=config.client_mode,
+                initial_peers=bootstrap, client_mode=config.client_mode,
                 host_maddrs=[f"/ip4/{config.host}/tcp/0"], record_validators=validators, start=False,
                 **access.dht_kwargs()))
             dht.run_in_background(await_ready=True)
         peer_id = str(dht.peer_id)
         access.start_keeper(dht, signer, on_denied=denied)
-        bootstrap_watch = BootstrapWatch(dht, info["initial_peers"])
+        bootstrap_watch = BootstrapWatch(dht, bootstrap)
         bootstrap_watch.start()
         user = access.user or config.user
         maddrs = [] if config.client_mode else [str(m) for m in dht.get_visible_maddrs()]

@@ -15,7 +15,9 @@ known; while it is down, one failed ping per bootstrap peer per ``every_s``.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
+import socket
 import threading
 
 from hivemind.p2p import PeerID
@@ -33,6 +35,76 @@ def bootstrap_peers(initial_peers: list[str]) -> dict[str, list[str]]:
         if sep and peer_id:
             peers.setdefault(peer_id, []).append(str(maddr))
     return peers
+
+
+# The ranges libp2p's DHT counts as a local network (go-multiaddr's private ranges, loopback
+# included). Its dual DHT keeps a peer in its LAN routing table only if it is connected to it
+# through one of these, and in its WAN table only through a global address.
+_LAN_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16", "127.0.0.0/8",
+    "fc00::/7", "fe80::/10", "::1/128"))
+
+
+def _ip_of(maddr: str) -> str | None:
+    parts = str(maddr).split("/")
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
+
+
+def libp2p_routes_through(ip: str) -> bool:
+    """Whether libp2p's DHT keeps a peer reached at ``ip`` in a routing table: a local-network or
+    loopback address (its LAN table) or a global one (its WAN table). The special-purpose ranges
+    in between (the documentation nets 192.0.2.0/24, 198.51.100.0/24, 203.0.113.0/24, the
+    benchmarking net 198.18.0.0/15, ...) are in neither: a peer connected to the swarm only
+    through such an address can talk to that peer, but cannot look up any other peer's address,
+    so every groupmate it dials fails with "routing: not found"."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    return address.is_global or any(address in net for net in _LAN_NETWORKS)
+
+
+def _is_loopback(ip: str | None) -> bool:
+    try:
+        return ip is not None and ipaddress.ip_address(ip.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _resolve(host: str | None) -> set[str]:
+    if not host:
+        return set()
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def choose_bootstrap_peers(initial_peers: list[str], coordinator_host: str | None) -> list[str]:
+    """The coordinator's DHT addresses to join through, out of all it listens on.
+
+    A coordinator listening on every interface (the default ``--dht-host 0.0.0.0``) lists one
+    address per interface, and the p2p daemon dials them all at once: whichever answers first
+    carries the connection. Through an address libp2p's DHT does not route
+    (:func:`libp2p_routes_through`), the volunteer cannot find any other peer's address, and
+    its averaging rounds never form (on a machine whose network address is 192.0.2.2, two
+    volunteers typed at the shell failed every round in about half of the runs). So: the
+    addresses libp2p routes through, and of those the ones at the host this volunteer reached
+    the coordinator by (``coordinator_host``, the join URL's); loopback ones only when that host
+    is loopback itself (elsewhere they are the volunteer's own machine). Where libp2p routes
+    through none of them, those at that host (or all), with a warning that names the fix."""
+    hosts = _resolve(coordinator_host)
+    local = bool(hosts) and all(map(_is_loopback, hosts))
+    candidates = [m for m in initial_peers if local or not _is_loopback(_ip_of(m))] or list(initial_peers)
+    routable = [m for m in candidates if _ip_of(m) is None or libp2p_routes_through(_ip_of(m))]
+    chosen = ([m for m in routable if _ip_of(m) in hosts] or routable
+              or [m for m in candidates if _ip_of(m) in hosts] or candidates)
+    if not routable:
+        logger.warning("the coordinator's DHT addresses (%s) are all in ranges libp2p does not route through: "
+                       "volunteers will reach the coordinator but not each other. Start the coordinator with "
+                       "--dht-host and --public-host set to an address of a local network or a public one",
+                       ", ".join(sorted({_ip_of(m) or m for m in candidates})))
+    return chosen
 
 
 async def _ping_missing(dht, node, peers: dict[str, list[str]]) -> list[str]:

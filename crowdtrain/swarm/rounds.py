@@ -285,3 +285,73 @@ def gradient_round_lookahead_s(*, matchmaking_time: float, step_s: float, averag
     start within it, and DiLoCo mode starts a fresh search where less than half of it is left at
     the sync point."""
     return min(matchmaking_time + step_s, averaging_timeout / 3)
+
+
+async def _probe_peers(dht, node, peer_ids: list[bytes]) -> dict[bytes, str | None]:
+    """In the DHT process: :func:`crowdtrain.swarm.hivemind_seam.p2p.probe` each peer."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    from crowdtrain.swarm.hivemind_seam.p2p import probe
+
+    async def one(peer: bytes):
+        try:
+            return await asyncio.wait_for(probe(node.protocol.p2p, PeerID(peer)), timeout=10.0)
+        except asyncio.TimeoutError:
+            return "no answer within 10 s"
+
+    return dict(zip(peer_ids, await asyncio.gather(*(one(p) for p in peer_ids))))
+
+
+class LonelyRoundCheck:
+    """After a round that found no group while other peers were training ("Averaging step failed:
+    could not find a group"), find out why, once in a while, and say it: whether this peer can
+    reach each other peer in the swarm's progress records the way matchmaking does (by peer ID).
+    A peer it cannot reach is named with the p2p daemon's error ("routing: not found": libp2p
+    knows no address for it; a dial error: its address does not accept connections). When every
+    peer answered, the network is not the cause, and the line says so. Runs in the background,
+    at most once per ``every_s``: a trainer must not wait on it."""
+
+    def __init__(self, dht, tracker, *, every_s: float = 120.0):
+        self.dht, self.tracker, self.every_s = dht, tracker, every_s
+        self._last = -float("inf")
+        self.verdicts: list[dict] = []  # per check: {peer (base58): error or None}
+
+    def after(self, epoch: int, *, group_size: int, swarm_peers: int) -> threading.Thread | None:
+        if group_size >= 2 or swarm_peers < 2 or time.monotonic() - self._last < self.every_s:
+            return None
+        self._last = time.monotonic()
+        thread = threading.Thread(target=self._check, args=(epoch,), name="lonely-round-check", daemon=True)
+        thread.start()
+        return thread
+
+    def _check(self, epoch: int) -> None:
+        import functools
+
+        from hivemind.p2p import PeerID
+
+        me = self.dht.peer_id.to_bytes()
+        others = sorted({r.get("peer_id") for r in progress_records(self.tracker) or []
+                         if isinstance(r.get("peer_id"), bytes) and r.get("peer_id") != me})
+        if not others:
+            return
+        try:
+            found = self.dht.run_coroutine(functools.partial(_probe_peers, peer_ids=others[:16]))
+        except Exception as e:  # the DHT is shutting down
+            logger.debug("could not probe the swarm's peers: %r", e)
+            return
+        verdicts = {PeerID(p).to_base58(): error for p, error in found.items()}
+        self.verdicts.append(verdicts)
+        failed = {peer: error for peer, error in verdicts.items() if error}
+        if failed:
+            logger.warning("epoch %d's round found no group: this peer cannot reach %d of the %d other peers (%s). "
+                           "A peer it cannot reach cannot be its groupmate: 'routing: not found' means libp2p "
+                           "knows no address for it (check the coordinator's --dht-host/--public-host and this "
+                           "peer's network); a dial error means its address does not accept connections (it "
+                           "should join with --client-mode, or open its port)", epoch, len(failed), len(verdicts),
+                           "; ".join(f"{peer[-8:]}: {error}" for peer, error in sorted(failed.items())))
+        else:
+            logger.warning("epoch %d's round found no group, though this peer reaches all %d other peers: the "
+                           "network is not the cause (crowdtrain.runspec.swarm's tuning guide lists what else "
+                           "makes peers miss each other's rounds)", epoch, len(verdicts))

@@ -128,6 +128,12 @@ SEAMS: tuple[Seam, ...] = (
          "fe7b419d01ced5fe",
          upstream_fix="_load_state_from_peers: when a donor of the newest epoch sent nothing (busy), return "
                       "nothing rather than a state from an older epoch; break ties between donors at random"),
+    Seam(f"{_S}:StateUploadLimit.download_state",
+         "hivemind.averaging.averager:DecentralizedAverager.load_state_from_peers", "copy",
+         "sends the downloader in the averager's process (through _outer_pipe) a min_epoch: donors of older "
+         "states are not asked",
+         "tests/test_state_uploads.py::test_a_downloader_that_needs_a_newer_epoch_never_fetches_an_older_state",
+         "973fae40a3d1e16f"),
     Seam(f"{_S}:StateUploadLimit.rpc_download_state",
          "hivemind.averaging.averager:DecentralizedAverager.rpc_download_state", "override",
          "relies on an empty stream meaning 'next donor' to the downloader",
@@ -219,7 +225,8 @@ SEAMS: tuple[Seam, ...] = (
          "e40a50069c2b4868"),
     Seam("crowdtrain.swarm.diloco:DiLoCoAverager.load_state_from_peers",
          "hivemind.averaging.averager:DecentralizedAverager.load_state_from_peers", "public-override",
-         "checks the kind and shapes of a downloaded outer state before taking it",
+         "checks the kind and shapes of a downloaded outer state before taking it (downloaded through "
+         "StateUploadLimit.download_state)",
          "tests/test_diloco.py::test_diloco_three_peers_train_agree_after_every_sync_and_a_newcomer_catches_up",
          "973fae40a3d1e16f"),
     # -- p2p, auth, wire (p2p.py)
@@ -233,6 +240,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_P}:dial", "hivemind.p2p.p2p_daemon_bindings.p2pclient:Client.connect", "private-read",
          "dial a restarted bootstrap peer through the daemon client (P2P._client); no public call",
          "tests/test_reconnect.py::test_a_peer_whose_daemon_never_had_the_address_dials_it", "4a93e314e2e3640a"),
+    Seam(f"{_P}:probe", "hivemind.p2p.p2p_daemon_bindings.p2pclient:Client.stream_open", "private-read",
+         "asks the p2p daemon (P2P._client) to open a stream to a peer by ID, as matchmaking does, to tell an "
+         "unreachable groupmate (its error) from one that answers",
+         "tests/test_fresh_runs.py::test_volunteers_bootstrapped_through_the_chosen_address_can_dial_each_other_and_"
+         "through_an_unroutable_one_cannot", "08c702707d91836c"),
     Seam(f"{_P}:with_wrapped_handlers", "hivemind.p2p.servicer:ServicerBase._collect_rpc_handlers", "private-read",
          "registers an averager's RPC handlers through a wrapper that checks access tokens",
          "tests/test_auth.py::test_the_averaging_guard_admits_token_holders_and_refuses_the_rest", "c6b0a7a27a95cf06"),

@@ -37,6 +37,24 @@ async def dial(p2p, peer_id, transports) -> None:
     await p2p._client.connect(peer_id, transports)
 
 
+# A protocol nobody serves: a peer that answers "protocol not supported" was reached.
+_PROBE_PROTOCOL = "/crowdtrain/probe/0"
+
+
+async def probe(p2p, peer_id) -> str | None:
+    """Whether this peer's p2p daemon can reach ``peer_id`` as matchmaking does (by peer ID, its
+    address looked up by libp2p): None if it answered, else the daemon's error ("routing: not
+    found": no address known for it; a dial error: its address does not accept connections). A
+    stream for a protocol it does not serve, refused by it, is how it answers."""
+    try:
+        _, _, writer = await p2p._client.stream_open(peer_id, (_PROBE_PROTOCOL,))
+        writer.close()
+        return None
+    except Exception as e:
+        text = str(e)
+        return None if "protocol" in text else (text.removeprefix("Connect failed. msg=") or repr(e))
+
+
 def with_wrapped_handlers(servicer_cls: type, make_wrapper: Callable, **attributes) -> type:
     """A subclass of a hivemind servicer (an averager) whose RPC handlers are registered through
     ``make_wrapper(servicer, handlers)``: an object with one coroutine per handler name, each

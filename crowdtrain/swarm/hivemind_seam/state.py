@@ -35,7 +35,7 @@ import torch
 from hivemind.compression import CompressionInfo, TensorRole, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import ValueWithExpiration
+from hivemind.utils import MPFuture, ValueWithExpiration
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
@@ -104,14 +104,26 @@ class StateUploadLimit:
         finally:
             self._uploads -= 1
 
-    async def _load_state_from_peers(self, future, timeout: float | None = None):
+    def download_state(self, *, timeout: float | None = None, min_epoch: int = 0):
+        """What hivemind's ``DecentralizedAverager.load_state_from_peers`` does (``(metadata,
+        tensors)`` or None), asking only donors that offer a state of ``min_epoch`` or newer: a
+        peer that needs this epoch's state would only throw an older one away after downloading
+        it. (A subclass's ``load_state_from_peers``, such as TrainingStateAverager's, which loads
+        what it gets into the model, is not involved.)"""
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
+                                                                   min_epoch=int(min_epoch))))
+        return future.result(timeout=timeout)
+
+    async def _load_state_from_peers(self, future, timeout: float | None = None, min_epoch: int = 0):
         """hivemind 1.1.12's ``DecentralizedAverager._load_state_from_peers`` (the downloader, in
-        the averager's process), with one change: if a donor of the newest epoch turned us away
+        the averager's process), with two changes. If a donor of the newest epoch turned us away
         (busy, see above), answer "nothing loaded" instead of going down the list to an older
         state, such as the coordinator's last checkpoint. The caller asks again a moment later,
         when a donor has a free slot. Older states are still taken when the newest epoch's donors
-        failed (left, unreachable) rather than being busy. Canary: tests/test_state_uploads.py, which
-        fails if a busy donor's empty answer stops meaning "next donor" or the fallback returns."""
+        failed (left, unreachable) rather than being busy, but never one offered below
+        ``min_epoch``. Canary: tests/test_state_uploads.py, which fails if a busy donor's empty
+        answer stops meaning "next donor" or the fallback returns."""
         if timeout is not None:
             timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         try:
@@ -128,6 +140,12 @@ class StateUploadLimit:
                       if peer != self.peer_id]
             if not ranked:
                 logger.info("no peer offers its state")
+                return
+            older = [peer for peer in ranked if math.floor(priority[peer][0]) < min_epoch]
+            ranked = [peer for peer in ranked if peer not in older]
+            if not ranked:
+                logger.debug("no peer offers a state of epoch %d or newer (%d offer older ones)", min_epoch,
+                             len(older))
                 return
             newest = math.floor(priority[ranked[0]][0])
             busy = 0
