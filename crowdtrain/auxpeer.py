@@ -58,6 +58,7 @@ from crowdtrain.swarm.hivemind_seam.p2p import guard_request_pipe
 from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager, set_state_epoch
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.optimizer import make_scheduler
+from crowdtrain.swarm.reconnect import choose_bootstrap_peers
 from crowdtrain.swarm.rounds import StateOffer
 from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 from crowdtrain.train.validate import DEFAULT_MAX_ROWS, HeldOutSet
@@ -123,7 +124,10 @@ class AuxPeer:
         known, problem = files.read_known_peers(run_dir)
         if problem:
             logger.warning("%s", problem)
-        initial_peers = [m for maddrs in known.values() for m in maddrs]
+        # Each through an address libp2p routes through, as volunteers join (see choose_bootstrap_peers):
+        # a connection through another would leave that volunteer unable to look up its groupmates.
+        initial_peers = [m for maddrs in known.values()
+                         for m in choose_bootstrap_peers(maddrs, spec.get("public_host"))]
         self.dht = self._start_dht(spec, validators, initial_peers, authorizer)
         self.keeper = TokenKeeper(self.dht, self.swarm.run_id, self.signer, self.token_source,
                                   lifetime_s=self.auth["token_lifetime_s"]).start()

@@ -202,3 +202,83 @@ def test_guessing_api_keys_at_the_join_endpoint_is_rate_limited_like_token_reque
     assert client.get("/api/join").status_code == 200
     assert client.post("/api/token", json=signed(tmp_path, "alice"),
                        headers={"Authorization": "Bearer ct_another_guess"}).status_code == 429
+
+
+def test_the_rate_limiter_forgets_expired_windows_and_stays_bounded_under_many_addresses():
+    """Every source address gets a bucket: the table must shrink once their windows pass (it
+    used to keep every address it ever saw, each call then slower) and never hold more than
+    ``max_buckets``, while each address still gets its own limit."""
+    from crowdtrain.coordinator.service import RateLimiter
+
+    now = [0.0]
+    limiter = RateLimiter(3, window_s=60.0, max_buckets=5_000, clock=lambda: now[0])
+    for i in range(4_000):
+        assert limiter.allow(f"address:10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+    assert len(limiter) == 4_000
+    assert [limiter.allow("address:attacker") for _ in range(4)] == [True, True, True, False]
+    now[0] = 61.0  # every window passed: the next call sweeps them all
+    assert limiter.allow("address:newcomer") and len(limiter) == 1
+    assert limiter.allow("address:attacker"), "a bucket whose window passed starts afresh"
+    for i in range(20_000):  # more live addresses than the table holds: the least recent go
+        limiter.allow(f"address:flood-{i}")
+    assert len(limiter) == 5_000
+    now[0] = 62.0
+    assert [limiter.allow("address:flood-19999") for _ in range(3)] == [True, True, False], \
+        "a live bucket keeps its count"
+
+
+def test_list_endpoints_are_capped_whatever_strangers_fill_the_tables_with(tmp_path):
+    client, store = make_app(tmp_path, run_json=run_json(tmp_path))
+    now = time.time()
+    store.record_metrics([{"peer_id": f"QmPeer{i}", "epoch": 1, "samples": 16, "samples_per_second": 1.0, "loss": 4.0,
+                           "steps": 1, "time": now - i, "client_mode": False, "last_round_peers": 1,
+                           "swarm_peers": 1, "fingerprint": "f", "user": f"user{i}", "maddrs": []}
+                          for i in range(30)])
+    peers = client.get("/api/peers?limit=7").json()
+    assert [p["peer_id"] for p in peers] == [f"QmPeer{i}" for i in range(7)], "the newest first, capped"
+    assert len(client.get("/api/peers").json()) == 30
+    assert len(client.get("/api/leaderboard?limit=5").json()) == 5
+    for path in ("/api/peers?limit=10001", "/api/leaderboard?limit=0", "/api/metrics?limit=1000000",
+                 "/api/history?limit=1000000", "/api/samples?limit=100000"):
+        r = client.get(path)
+        assert r.status_code == 422 and "limit must be between" in r.json()["detail"], path
+
+
+def test_the_shard_folder_serves_shards_and_manifests_and_never_the_organizers_pictures(tmp_path):
+    """`data prepare` leaves a fit report (a grid of the organizer's own pictures) and the list of
+    skipped files beside the shards; volunteers never download the organizer's images."""
+    client, _ = make_app(tmp_path, run_json=run_json(tmp_path))
+    shards = tmp_path / "shards"
+    (shards / "shards.json").write_text("{}")
+    (shards / "fit_report-train.png").write_bytes(b"\x89PNG the organizer's pictures")
+    (shards / "skipped-train.txt").write_text("/home/organizer/private/holiday.jpg\n")
+    assert client.get("/shards/train-00000.parquet").content == b"shard"
+    assert client.get("/shards/shards.json").status_code == 200
+    (shards / ".hidden.json").write_text("{}")
+    for name in ("fit_report-train.png", "skipped-train.txt", ".hidden.json"):
+        r = client.get(f"/shards/{name}")
+        assert r.status_code == 404 and "serves its *.parquet shards" in r.json()["detail"], name
+
+
+def test_secrets_stay_in_files_only_their_owner_reads_and_out_of_command_lines(tmp_path):
+    import os
+    import re
+    import stat
+
+    from crowdtrain.coordinator.run import write_private
+
+    spec = tmp_path / "coordinator.json"
+    spec.write_text("{}")
+    os.chmod(spec, 0o644)  # an older run's spec, as the default umask left it
+    old = os.umask(0)
+    try:
+        write_private(spec, json.dumps({"db_url": "postgresql://crowd:secret@db/run"}))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(spec.stat().st_mode) == 0o600 and "secret" in spec.read_text()
+    out = subprocess.run([sys.executable, "-m", "crowdtrain.cli", "users", "add", "alice", "--run-dir",
+                          str(tmp_path / "run")], check=True, capture_output=True, text=True, timeout=120).stdout
+    key = re.search(r"(ct_\S+)", out).group(1)
+    join_lines = [line for line in out.splitlines() if "crowdtrain join" in line]
+    assert join_lines and all(key not in line and "--key" not in line for line in join_lines), out
+    assert "CROWDTRAIN_KEY" in out

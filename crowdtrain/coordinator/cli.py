@@ -116,8 +116,12 @@ def _users(args) -> int:
     try:
         if args.action == "add":
             key = store.add_user(args.name)
-            print(f"user {args.name} added. Their API key (shown once; store it safely):\n\n    {key}\n\n"
-                  f"They join with: crowdtrain join http://COORDINATOR:PORT --key {key}")
+            # The key stays out of the join line: a command line lands in shell history and in
+            # `ps` for every user of the machine; an environment variable does neither.
+            print(f"user {args.name} added. Their API key (shown once; send it to them privately):\n\n    {key}\n\n"
+                  "They join with the key in the environment, not on the command line:\n\n"
+                  "    read -rs CROWDTRAIN_KEY && export CROWDTRAIN_KEY   # paste the key, then Enter\n"
+                  "    crowdtrain join http://COORDINATOR:PORT")
         elif args.action == "revoke":
             store.revoke_user(args.name)
             print(f"user {args.name} revoked: their peers are refused once their current tokens expire")

@@ -570,10 +570,10 @@ class Store:
                      "client_mode": r.client_mode, "last_round_peers": r.last_round_peers,
                      "swarm_peers": r.swarm_peers} for r in reversed(rows)]
 
-    def peers(self, *, active_only: bool = False, now: float | None = None) -> list[dict]:
+    def peers(self, *, active_only: bool = False, now: float | None = None, limit: int | None = None) -> list[dict]:
         now = now or time.time()
         with self.session() as s:
-            query = select(Peer).order_by(Peer.last_seen.desc())
+            query = select(Peer).order_by(Peer.last_seen.desc()).limit(limit)
             if active_only:
                 query = query.where(Peer.last_seen > now - ACTIVE_WINDOW_S,
                                     Peer.last_seen <= now + MAX_CLOCK_SKEW_S)

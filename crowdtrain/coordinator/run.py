@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -346,6 +347,17 @@ def settle_with_stored_run(run_dir: Path, config: CoordinatorConfig, spec: dict)
     return schedule
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600), whatever the umask: the run's
+    spec can hold a database password (``--db postgresql://user:password@...``)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)  # an existing file keeps its mode through O_CREAT
+    os.replace(tmp, path)
+
+
 def _end_leftover_aux(run_dir: Path, timeout_s: float = 20.0) -> None:
     """An auxiliary peer of this run still alive holds the DHT port and identity; end it before
     starting a new one. It ends by itself within seconds of its coordinator's death (see
@@ -490,7 +502,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     shards_dir = resolve_shards(config)
     spec = build_spec(config, shards_dir)
     schedule = settle_with_stored_run(run_dir, config, spec)
-    (run_dir / "coordinator.json").write_text(json.dumps(spec, indent=2))
+    write_private(run_dir / "coordinator.json", json.dumps(spec, indent=2))  # db_url may hold a password
     write_schedule(run_dir, schedule)
     (run_dir / RUN_PROMPTS_FILE).write_text(json.dumps(
         [{k: v for k, v in p.items() if k != "reference"} for p in spec["sample_prompts"]], indent=1))

@@ -16,9 +16,10 @@ from that key, so nobody can re-assign another volunteer's peer (and its samples
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,27 +61,58 @@ class TokenRequest(BaseModel):
                                                    "another one than the coordinator's, or none, is refused (409)")
 
 
-class RateLimiter:
-    """At most ``limit`` events per ``window_s`` per bucket (a key or an address; a sliding window)."""
+# The files of a shard folder volunteers fetch: the shards and the JSON beside them (shards.json,
+# the demo data sets' recipe files), at its top level.
+SERVED_SHARD_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\.(parquet|json)")
 
-    def __init__(self, limit: int, window_s: float = 60.0):
-        self.limit, self.window_s = limit, window_s
-        self._events: dict[str, deque] = defaultdict(deque)
+
+class RateLimiter:
+    """At most ``limit`` events per ``window_s`` per bucket (a key or an address; a sliding window).
+
+    The table is keyed by what a stranger chooses (an address, a key), so it is bounded twice:
+    buckets whose every event has left the window are forgotten (swept at most four times a
+    window, from the least recently used end, so a call costs the same at any size), and past
+    ``max_buckets`` the least recently used bucket is forgotten even so. An attacker with more
+    addresses than that can reset the oldest ones' windows, but not grow the coordinator's memory
+    or slow its other requests (``benchmarks/bench_rate_limiter.py``)."""
+
+    def __init__(self, limit: int, window_s: float = 60.0, *, max_buckets: int = 50_000,
+                 clock=time.monotonic):
+        self.limit, self.window_s, self.max_buckets, self.clock = limit, window_s, max_buckets, clock
+        self._events: OrderedDict[str, deque] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
+        self._next_sweep = clock() + window_s / 4
+
+    def __len__(self) -> int:
+        return len(self._events)
 
     def allow(self, client: str) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
-            events = self._events[client]
+            if now >= self._next_sweep:
+                self._sweep(now)
+            events = self._events.get(client)
+            if events is None:
+                events = self._events[client] = deque()
+                while len(self._events) > self.max_buckets:
+                    self._events.popitem(last=False)
+            else:
+                self._events.move_to_end(client)
             while events and events[0] < now - self.window_s:
                 events.popleft()
             if len(events) >= self.limit:
                 return False
             events.append(now)
-            if len(self._events) > 10_000:  # forget idle clients so the table stays small
-                for key in [k for k, v in self._events.items() if not v]:
-                    del self._events[key]
             return True
+
+    def _sweep(self, now: float) -> None:
+        """Forget the buckets with no event left in the window (they sit at the front)."""
+        self._next_sweep = now + self.window_s / 4
+        while self._events:
+            client, events = next(iter(self._events.items()))
+            if events and events[-1] >= now - self.window_s:
+                break
+            del self._events[client]
 
 
 def _read_json(path: Path) -> dict | None:
@@ -357,13 +389,21 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
             raise HTTPException(422, "limit must be between 1 and 100000")
         return store.metrics(limit=limit, peer_id=peer_id)
 
-    @app.get("/api/leaderboard", summary="Per user: samples that went into global steps, steps, compute time, last seen")
-    def api_leaderboard() -> list[dict]:
-        return store.leaderboard()
+    # Users and peers are named by strangers (an open run's --user, a fresh identity per process):
+    # their lists are capped, the most relevant first.
+    @app.get("/api/leaderboard", summary="Per user: samples that went into global steps, steps, compute time, "
+                                         "last seen; the top `limit` (at most 10000)")
+    def api_leaderboard(limit: int = 1000) -> list[dict]:
+        if not 1 <= limit <= 10_000:
+            raise HTTPException(422, "limit must be between 1 and 10000")
+        return store.leaderboard()[:limit]
 
-    @app.get("/api/peers", summary="Peers seen, newest first (active ones reported within the last minute)")
-    def api_peers(active: bool = False) -> list[dict]:
-        return store.peers(active_only=active)
+    @app.get("/api/peers", summary="Peers seen, newest first (active ones reported within the last minute); "
+                                   "the newest `limit` (at most 10000)")
+    def api_peers(active: bool = False, limit: int = 1000) -> list[dict]:
+        if not 1 <= limit <= 10_000:
+            raise HTTPException(422, "limit must be between 1 and 10000")
+        return store.peers(active_only=active, limit=limit)
 
     @app.get("/api/checkpoints", summary="Saved checkpoints, oldest first, with training and validation loss; "
                                          "best: the lowest validation loss")
@@ -403,9 +443,15 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
 
         # HEAD too: streaming readers ask a shard's size before reading byte ranges.
         @app.head("/shards/{relative:path}", include_in_schema=False)
-        @app.get("/shards/{relative:path}", summary="Data shards (HTTP Range supported)")
+        @app.get("/shards/{relative:path}", summary="Data shards and their manifest (HTTP Range supported)")
         def shard(relative: str):
-            return FileResponse(_inside(shards_root, relative))
+            # What volunteers read and nothing else: the folder also holds the organizer's fit
+            # report (a grid of their original pictures) and the list of skipped files.
+            path = _inside(shards_root, relative)
+            if not SERVED_SHARD_FILE.fullmatch(relative):
+                raise HTTPException(404, f"no such file: {relative[:200]} (the shard folder serves its "
+                                         "*.parquet shards and *.json manifests only)")
+            return FileResponse(path)
 
     if text_tokenizer is not None:
         tokenizer_path = Path(text_tokenizer)
