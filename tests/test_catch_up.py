@@ -456,6 +456,7 @@ def _in_round(stats: dict):
     opt.catch_up, opt.signer, opt.rounds, opt.ledger = CatchUp(), object(), RoundLog(), swarm_metrics.Ledger()
     opt.hivemind.dht, opt.hivemind.run_id = None, "run"
     opt.offer = StateOffer(averager, client_mode=False)
+    opt.lonely = SimpleNamespace(after=lambda epoch, **counts: None)  # what a lonely round probes: not here
     return opt, averager
 
 

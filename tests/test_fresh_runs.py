@@ -109,3 +109,35 @@ def test_volunteers_bootstrapped_through_the_chosen_address_can_dial_each_other_
     finally:
         for dht in started:
             dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_after_a_round_without_a_group_a_volunteer_names_the_peers_it_cannot_reach(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import hivemind
+    from hivemind.p2p import PeerID
+
+    from crowdtrain.swarm import rounds
+
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    me, other = (hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(),
+                              host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2))
+    gone = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")  # nobody has this identity
+    records = [{"peer_id": p, "epoch": 3} for p in (me.peer_id.to_bytes(), other.peer_id.to_bytes(), gone.to_bytes())]
+    monkeypatch.setattr(rounds, "progress_records", lambda tracker: records)
+    try:
+        check = rounds.LonelyRoundCheck(me, SimpleNamespace(dht=me), every_s=60.0)
+        assert check.after(3, group_size=2, swarm_peers=3) is None, "a round with a group needs no check"
+        assert check.after(3, group_size=1, swarm_peers=1) is None, "nobody else was training"
+        with caplog.at_level(logging.WARNING, logger="crowdtrain.swarm.rounds"):
+            check.after(3, group_size=1, swarm_peers=3).join(60)
+        verdict = check.verdicts[-1]
+        assert verdict[other.peer_id.to_base58()] is None, verdict
+        assert verdict[gone.to_base58()], verdict
+        assert f"cannot reach 1 of the 2 other peers ({gone.to_base58()[-8:]}: " in caplog.text, caplog.text
+        assert check.after(4, group_size=1, swarm_peers=3) is None, "at most once per every_s"
+    finally:
+        for dht in (me, other, first):
+            dht.shutdown()
