@@ -58,7 +58,7 @@ from crowdtrain.swarm.hivemind_seam.p2p import guard_request_pipe
 from crowdtrain.swarm.hivemind_seam.state import ConsistentStateAverager, set_state_epoch
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.optimizer import make_scheduler
-from crowdtrain.swarm.reconnect import choose_bootstrap_peers
+from crowdtrain.swarm.reconnect import choose_bootstrap_peers, libp2p_routes_through
 from crowdtrain.swarm.rounds import StateOffer
 from crowdtrain.train.task import DalleTask, build_initial_model, model_digest, stable_seed
 from crowdtrain.train.validate import DEFAULT_MAX_ROWS, HeldOutSet
@@ -173,6 +173,11 @@ class AuxPeer:
         kwargs = dict(host_maddrs=[f"/ip4/{spec['dht_host']}/tcp/{spec['dht_port']}"], identity_path=spec["identity"],
                       record_validators=validators, authorizer=authorizer)
         public = spec.get("public_host")
+        if public and _is_ipv4(public) and not libp2p_routes_through(public):
+            logger.warning("--public-host %s is in a range libp2p does not route through (a documentation or "
+                           "benchmarking net): volunteers joining through it will reach the coordinator but not "
+                           "each other, and their rounds will not form. Use an address of a local network or a "
+                           "public one", public)
         if public and public not in ("127.0.0.1", "localhost", spec["dht_host"]) and _is_ipv4(public):
             # Behind NAT (e.g. a cloud VM): announce the address volunteers can reach, not the private one.
             kwargs["announce_maddrs"] = [f"/ip4/{public}/tcp/{spec['dht_port']}"]
