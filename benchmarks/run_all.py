@@ -2,7 +2,8 @@
 
 Run them on a quiet machine, one at a time: the swarm benchmarks start real processes whose
 timings suffer from anything else on the CPU. The testbed (``crowdtrain testbed suite``) needs
-root and about an hour; it is not part of this list.
+root and about an hour, and `benchmarks/fresh_runs.py` (fresh runs typed at the shell) hours; they
+are not part of this list.
 
     python benchmarks/run_all.py [--only bench_model,bench_swarm]
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_memcalc", "bench_data", "bench_model", "bench_swarm", "bench_diloco", "bench_robust",
-              "bench_allreduce", "bench_state_snapshot", "bench_quality", "bench_diloco_outer"]
+              "bench_allreduce", "bench_state_snapshot", "bench_quality", "bench_diloco_outer", "bench_rate_limiter"]
 
 
 def main() -> int:
