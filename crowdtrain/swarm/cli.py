@@ -42,7 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads. Default: this machine's usable cores shared evenly among the volunteers "
                         "running on it (each `crowdtrain join` registers under ~/.cache/crowdtrain/volunteers/), "
-                        "recounted every 30 s as volunteers come and go")
+                        "recounted every 5 s as volunteers come and go")
     p.add_argument("--data-outage-patience-s", type=float, default=600.0,
                    help="how long the run's data source (the coordinator's shards) may stay unreachable before "
                         "this peer gives up; meanwhile it retries with back-off and trains on rows already read")

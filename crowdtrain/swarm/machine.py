@@ -60,7 +60,11 @@ SAFETY_FRACTION = 0.85
 GPU_BATCH_CAP = 64
 CPU_BATCH_CAP = 16
 DILOCO_BATCH_CAP = 16
-REBALANCE_EVERY_S = 30.0
+# A recount lists one small directory (about a millisecond). At 30 s, the first of three
+# volunteers started together kept every core for its first half-minute beside the two that
+# joined 3 and 6 s later, ran at half their speed, and reached the run's first sync point too
+# late for its round (benchmarks/fresh_runs.py, docs/scale.md).
+REBALANCE_EVERY_S = 5.0
 
 
 # ---- device -----------------------------------------------------------------------------------
