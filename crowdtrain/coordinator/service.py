@@ -115,6 +115,12 @@ class RateLimiter:
             del self._events[client]
 
 
+def _check_limit(limit: int, most: int) -> None:
+    """A list endpoint's ``limit``, 1 to ``most`` (every list a stranger can fill has a cap)."""
+    if not 1 <= limit <= most:
+        raise HTTPException(422, f"limit must be between 1 and {most}")
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -376,8 +382,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
         losses. A point taken at a checkpoint carries ``valid_loss``, the model's mean loss on fixed
         rows of each split of the run's data but train (e.g. ``{"valid": 2.26, "heldout": 3.23}``);
         it is null on the others. ``gap`` points (all values null) mark downtime."""
-        if not 1 <= limit <= 100_000:
-            raise HTTPException(422, "limit must be between 1 and 100000")
+        _check_limit(limit, 100_000)
         # The point the caller already has (the last one up to `since`) decides whether the first
         # new one follows a downtime; the charts draw gaps as gaps.
         before = store.swarm_point_before(since) if since > 0 else None
@@ -385,8 +390,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
 
     @app.get("/api/metrics", summary="Metrics records of the peers, oldest first")
     def api_metrics(limit: int = 1000, peer_id: str | None = None) -> list[dict]:
-        if not 1 <= limit <= 100_000:
-            raise HTTPException(422, "limit must be between 1 and 100000")
+        _check_limit(limit, 100_000)
         return store.metrics(limit=limit, peer_id=peer_id)
 
     # Users and peers are named by strangers (an open run's --user, a fresh identity per process):
@@ -394,15 +398,13 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     @app.get("/api/leaderboard", summary="Per user: samples that went into global steps, steps, compute time, "
                                          "last seen; the top `limit` (at most 10000)")
     def api_leaderboard(limit: int = 1000) -> list[dict]:
-        if not 1 <= limit <= 10_000:
-            raise HTTPException(422, "limit must be between 1 and 10000")
+        _check_limit(limit, 10_000)
         return store.leaderboard()[:limit]
 
     @app.get("/api/peers", summary="Peers seen, newest first (active ones reported within the last minute); "
                                    "the newest `limit` (at most 10000)")
     def api_peers(active: bool = False, limit: int = 1000) -> list[dict]:
-        if not 1 <= limit <= 10_000:
-            raise HTTPException(422, "limit must be between 1 and 10000")
+        _check_limit(limit, 10_000)
         return store.peers(active_only=active, limit=limit)
 
     @app.get("/api/checkpoints", summary="Saved checkpoints, oldest first, with training and validation loss; "
@@ -416,8 +418,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
 
     @app.get("/api/samples", summary="Images generated from checkpoints for fixed prompts, newest first")
     def api_samples(limit: int = 200) -> list[dict]:
-        if not 1 <= limit <= 10_000:
-            raise HTTPException(422, "limit must be between 1 and 10000")
+        _check_limit(limit, 10_000)
         return [{**s, "url": f"/files/{s['path']}"} for s in store.samples(limit=limit)]
 
     @app.get("/api/counters", summary="Refused and rate-limited requests, dropped records, tokens issued")
