@@ -1,22 +1,29 @@
 """A run's coordinator seen from a volunteer's machine or notebook: its checkpoints and prompts.
 
-What the coordinator answers is input from a stranger: a checkpoint name becomes a folder name
-here, so it must be a plain name, and only the known checkpoint files are fetched (never a path the
-answer makes up). Checkpoints are data only (safetensors and JSON, crowdtrain.checkpoint).
+What the coordinator answers is input from a stranger: a checkpoint name becomes part of a folder
+name here, so it must be a plain name, and only the known checkpoint files are fetched (never a
+path the answer makes up). Every file is checked against the coordinator's signed manifest
+(``/api/manifest``, under the key pinned or remembered by ``crowdtrain.runspec.trust``) and the
+cache is keyed by those hashes: a file changed on the way, or on the server under the same name,
+is refused or fetched anew, never used. Checkpoints are data only (safetensors and JSON,
+crowdtrain.checkpoint).
 
 Typical use, in the ``/generate.ipynb`` notebook::
 
-    checkpoint = fetch_checkpoint("http://HOST:8000")           # the newest one, cached
+    checkpoint = fetch_checkpoint("https://HOST", pin="SHA256:...")  # the newest one, cached
     prompts = run_prompts("http://HOST:8000")                    # what the run draws on /samples
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from crowdtrain.runspec.trust import CoordinatorTrust, check_file, sha256_file
 
 # What a checkpoint needs to draw (crowdtrain.checkpoint's layout); the optimizer state is not.
 DRAW_FILES = ("config.json", "model.safetensors", "text_tokenizer.json", "image_tokenizer.safetensors")
@@ -29,6 +36,21 @@ def get_json(url: str, timeout_s: float = 30.0):
             return json.loads(response.read())
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {url}: {e}; check the coordinator's address and that it runs") from e
+
+
+def signed_manifest(base: str, trust: CoordinatorTrust, timeout_s: float = 30.0) -> dict[str, str]:
+    """{path under ``base``: sha256} of the files the coordinator serves, checked against ``trust``."""
+    url = f"{base}/api/manifest"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body = response.read()
+            trust.check(body, response.headers, f"the answer of {url}")
+    except OSError as e:
+        raise ValueError(f"cannot read {url}: {e}; check the coordinator's address and that it runs") from e
+    files = json.loads(body).get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"{url} lists no files: is {base} a crowdtrain coordinator?")
+    return files
 
 
 def _checkpoints(base: str) -> list[dict]:
@@ -46,11 +68,14 @@ def _checkpoints(base: str) -> list[dict]:
 
 
 def fetch_checkpoint(coordinator: str, *, which: str = "latest", cache_dir: str | Path = "~/.cache/crowdtrain",
-                     timeout_s: float = 300.0) -> Path:
+                     timeout_s: float = 300.0, pin: str | None = None) -> Path:
     """Download a run's checkpoint (``latest``, ``best``, or a name from ``/api/checkpoints``) into
-    ``cache_dir/checkpoints/HOST_PORT/NAME`` and return that folder. Files already there are kept
-    (a checkpoint's files do not change under its name)."""
+    ``cache_dir/checkpoints/NAME-DIGEST`` (DIGEST: of its files' signed hashes) and return that
+    folder; files already there are used when their hash is the signed one. ``pin``: the
+    coordinator key's fingerprint (crowdtrain.runspec.trust); without it, the key this machine
+    saw first at that address."""
     base = coordinator.rstrip("/")
+    signed = signed_manifest(base, CoordinatorTrust(base, pin=pin))
     entries = _checkpoints(base)
     if not entries:
         raise ValueError(f"{base} has no checkpoint yet: the run saves one every few epochs (see {base}/checkpoints); "
@@ -70,22 +95,33 @@ def fetch_checkpoint(coordinator: str, *, which: str = "latest", cache_dir: str 
     missing = [f for f in ("config.json", "model.safetensors") if f not in chosen["files"]]
     if missing:
         raise ValueError(f"checkpoint {chosen['name']} on {base} lacks {', '.join(missing)}")
-    where = urllib.parse.urlsplit(base)
-    folder = Path(cache_dir).expanduser() / "checkpoints" / f"{where.hostname}_{where.port or 80}" / chosen["name"]
+    wanted = [f for f in DRAW_FILES if f in chosen["files"]]
+    expected = {f: signed.get(f"checkpoints/{chosen['name']}/{f}") for f in wanted}
+    for filename, sha in expected.items():
+        if sha is None:
+            check_file(f"{chosen['name']}/{filename}", "", None, base)
+    digest = hashlib.sha256("".join(f"{f}:{expected[f]}\n" for f in wanted).encode()).hexdigest()
+    folder = Path(cache_dir).expanduser() / "checkpoints" / f"{chosen['name']}-{digest[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
-    for filename in DRAW_FILES:
+    for filename in wanted:
         target = folder / filename
-        if filename not in chosen["files"] or target.is_file():
+        if target.is_file() and sha256_file(target) == expected[filename]:
             continue
         tmp = target.with_suffix(target.suffix + ".partial")
         url = f"{base}/checkpoints/{urllib.parse.quote(chosen['name'])}/{filename}"
+        hasher = hashlib.sha256()
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as out:
                 while chunk := response.read(1 << 20):
+                    hasher.update(chunk)
                     out.write(chunk)
+            check_file(f"{chosen['name']}/{filename}", hasher.hexdigest(), expected[filename], url)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise ValueError(f"downloading {url} failed: {e}; run it again to resume") from e
+            raise ValueError(f"downloading {url} failed: {e}; run it again") from e
+        except ValueError:
+            tmp.unlink(missing_ok=True)
+            raise
         tmp.replace(target)
     return folder
 

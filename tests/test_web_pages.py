@@ -141,10 +141,18 @@ def run(tmp_path):
     store.close()
 
 
+def pin_of(run) -> str:
+    """The fingerprint of the key the run's pages were made with (as `crowdtrain join --pin` takes it)."""
+    from crowdtrain.runspec.tokens import CoordinatorKey
+    from crowdtrain.runspec.trust import fingerprint
+
+    return fingerprint(CoordinatorKey.load_or_create(run.run_dir.parent / "coordinator_key.pem").public_key)
+
+
 def test_home_says_what_the_run_trains_its_progress_and_how_to_join(run):
     html = run().get("/").text
     assert "Train test-run together" in html
-    assert f"<code>crowdtrain join {URL} --user YOUR_NAME</code>" in html
+    assert f"<code>crowdtrain join {URL} --pin {pin_of(run)} --user YOUR_NAME</code>" in html
     # what it trains, from run.json
     assert "16 text tokens" in html and "8&times;8 grid of codes" in html and "axial_row, axial_col" in html
     # progress: epoch 12 of 60, the bar at 20%, throughput, mean loss of the live peers, an ETA
@@ -162,11 +170,14 @@ def test_home_says_what_the_run_trains_its_progress_and_how_to_join(run):
 
 def test_join_page_shows_the_right_command_for_open_and_allowlist_runs(run):
     open_html = run("open").get("/join").text
-    command = f'<pre class="command" id="join-command"><code>crowdtrain join {URL} --user YOUR_NAME</code></pre>'
+    pin = pin_of(run)
+    command = (f'<pre class="command" id="join-command"><code>crowdtrain join {URL} --pin {pin} --user YOUR_NAME'
+               '</code></pre>')
     assert command in open_html
     assert "--key" not in open_html.split('id="join-command"')[1].split("</pre>")[0]
+    assert f"<code>--pin {pin}</code> is the fingerprint of this coordinator's key" in open_html
     invited = run("allowlist").get("/join").text
-    assert f'<code>crowdtrain join {URL} --key YOUR_KEY</code>' in invited
+    assert f'<code>crowdtrain join {URL} --pin {pin} --key YOUR_KEY</code>' in invited
     assert "crowdtrain users add YOUR_NAME" in invited and "CROWDTRAIN_KEY" in invited
     for html in (open_html, invited):
         assert 'href="/memcalc/"' in html

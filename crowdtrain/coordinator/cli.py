@@ -18,6 +18,17 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--public-host", default="127.0.0.1",
                    help="address volunteers reach this machine at (used in the URLs handed out)")
+    p.add_argument("--public-url", default=None, metavar="URL",
+                   help="the address every URL handed out starts with (install line, join information, shards, "
+                        "checkpoints, notebooks, pages), e.g. https://run.example.org behind Caddy; default: "
+                        "http://PUBLIC_HOST:PORT, or https:// with --tls-cert")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve HTTPS directly with this certificate (chain); give --tls-key too")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--trusted-proxy", default=None, metavar="IP[,IP]",
+                   help="addresses of reverse proxies in front of this coordinator (e.g. 127.0.0.1 for Caddy on "
+                        "this machine): their X-Forwarded-For names the client, for rate limits; nobody else's is "
+                        "believed")
     p.add_argument("--dht-host", default="0.0.0.0", help="DHT listen address")
     p.add_argument("--dht-port", type=int, default=31337, help="DHT port (fixed, so peers can find the run again)")
     p.add_argument("--identity", default=None, help="private key file of the first peer (default RUN_DIR/identity.key)")
@@ -87,7 +98,8 @@ def _coordinator(args) -> int:
 
     config = CoordinatorConfig(
         run_id=args.run_id, preset=args.preset, data=args.data, host=args.host, port=args.port,
-        public_host=args.public_host, dht_host=args.dht_host, dht_port=args.dht_port, run_dir=args.run_dir,
+        public_host=args.public_host, public_url=args.public_url, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        trusted_proxy=args.trusted_proxy, dht_host=args.dht_host, dht_port=args.dht_port, run_dir=args.run_dir,
         identity=args.identity, checkpoint_dir=args.checkpoint_dir, keep_checkpoints=args.keep_checkpoints,
         valid_rows=args.valid_rows,
         swarm_preset=args.swarm_preset, swarm_overrides=parse_overrides(args.swarm, flag="--swarm"),
@@ -98,6 +110,19 @@ def _coordinator(args) -> int:
         text_tokenizer=args.text_tokenizer, image_tokenizer=args.image_tokenizer,
         time_budget_s=parse_duration(args.time_budget) if args.time_budget is not None else None)
     return run_coordinator(config)
+
+
+def _join_target(run_dir) -> str:
+    """``URL --pin SHA256:...`` of the run in ``run_dir`` as its last start handed it out."""
+    import json
+
+    from crowdtrain.runspec.trust import fingerprint
+
+    try:
+        auth = json.loads((run_dir / "coordinator.json").read_text())["auth"]
+        return f"{auth['token_url'].removesuffix('/api/token')} --pin {fingerprint(auth['coordinator_public_key'])}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "https://COORDINATOR --pin SHA256:...   # both as the run's join page shows them"
 
 
 def _users(args) -> int:
@@ -121,7 +146,7 @@ def _users(args) -> int:
             print(f"user {args.name} added. Their API key (shown once; send it to them privately):\n\n    {key}\n\n"
                   "They join with the key in the environment, not on the command line:\n\n"
                   "    read -rs CROWDTRAIN_KEY && export CROWDTRAIN_KEY   # paste the key, then Enter\n"
-                  "    crowdtrain join http://COORDINATOR:PORT")
+                  f"    crowdtrain join {_join_target(run_dir)}")
         elif args.action == "revoke":
             store.revoke_user(args.name)
             print(f"user {args.name} revoked: their peers are refused once their current tokens expire")

@@ -32,13 +32,32 @@ def _notebook(cells: list[tuple[str, str]]) -> dict:
 
 
 # Installs the coordinator's build and the extras this notebook needs; pip keeps what is already
-# there (the notebook's torch; crowdtrain itself when it is this build) in a few seconds. The hash
-# makes pip refuse any other file. Which crowdtrain is installed is asked of a fresh interpreter:
-# the kernel may hold another one in memory.
+# there (the notebook's torch; crowdtrain itself when it is this build) in a few seconds. The
+# wheel's hash comes in an answer signed by the coordinator's key, checked against PIN before pip
+# runs (crowdtrain.runspec.trust does the same, once installed), and makes pip refuse any other
+# file. Which crowdtrain is installed is asked of a fresh interpreter: the kernel may hold another
+# one in memory.
 _INSTALL = '''
-import json, subprocess, sys, urllib.request
+import base64, hashlib, json, subprocess, sys, urllib.request
 
-run = json.load(urllib.request.urlopen(COORDINATOR.rstrip("/") + "/api/version", timeout=60))
+try:
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import padding
+except ImportError:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "cryptography"], check=True)
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import padding
+
+answer = urllib.request.urlopen(COORDINATOR.rstrip("/") + "/api/version", timeout=60)
+body, key = answer.read(), answer.headers.get("X-Crowdtrain-Key") or ""
+seen = "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(key.split()[1] if key else "")).digest()
+                                    ).decode().rstrip("=")
+if seen != PIN:
+    raise SystemExit(f"the coordinator at {COORDINATOR} has key {seen}, not PIN {PIN}: not installing from it")
+serialization.load_ssh_public_key(key.encode()).verify(
+    base64.b64decode(answer.headers["X-Crowdtrain-Signature"]), b"crowdtrain-answer-v1\\n" + body,
+    padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH), hashes.SHA256())
+run = json.loads(body)
 subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
                 f"crowdtrain[{EXTRAS}] @ {run['wheel']}#sha256={run['wheel_sha256']}"], check=True)
 probe = subprocess.run([sys.executable, "-c", "from crowdtrain.release import full_version; print(full_version())"],
@@ -49,7 +68,9 @@ if "crowdtrain.release" in sys.modules and sys.modules["crowdtrain.release"].ful
 '''
 
 
-def join_notebook(coordinator_url: str, *, run_id: str | None = None, auth_mode: str = "open") -> dict:
+def join_notebook(coordinator_url: str, *, run_id: str | None = None, auth_mode: str = "open",
+                  pin: str = "") -> dict:
+    """``pin``: the fingerprint of the coordinator's key (crowdtrain.runspec.trust)."""
     url = json.dumps(coordinator_url.rstrip("/"))
     title = f"Join the run {run_id}" if run_id else "Join the run"
     key_line = ("KEY = None  # your API key: this run admits invited users only (the organizer makes it)"
@@ -67,6 +88,7 @@ cleanly; your contribution so far stays on the leaderboard at {coordinator_url.r
 Nothing else runs on this machine: peers exchange tensors and plain data only, never code."""),
         ("code", f"""
 COORDINATOR = {url}  # this run's coordinator
+PIN = {json.dumps(pin)}  # its key's fingerprint, as its join page shows it: nothing else is installed or joined
 USER = "anonymous"  # the leaderboard's name for you: 1-64 letters, digits, '-', '_', '.'
 {key_line}
 MINUTES = None  # leave after this many minutes; None: until the run ends or you interrupt the kernel
@@ -82,7 +104,7 @@ EXTRAS = "volunteer"
 # The device and batch size `crowdtrain join` will use (it says the same when it starts).
 from crowdtrain.swarm.machine import describe_device_and_batch
 
-print(describe_device_and_batch(COORDINATOR, batch_size=BATCH_SIZE))
+print(describe_device_and_batch(COORDINATOR, batch_size=BATCH_SIZE, pin=PIN))
 """),
         ("code", """
 # Train. The progress line updates in place; Interrupt the kernel to leave cleanly.
@@ -91,8 +113,8 @@ from IPython.display import display
 from crowdtrain.lifecycle import own_session_child
 
 summary_file = os.path.join(tempfile.mkdtemp(prefix="crowdtrain-"), "summary.json")
-command = [sys.executable, "-m", "crowdtrain.cli", "join", COORDINATOR, "--user", USER, "--batch-size",
-           str(BATCH_SIZE), "--summary-file", summary_file]
+command = [sys.executable, "-m", "crowdtrain.cli", "join", COORDINATOR, "--pin", PIN, "--user", USER,
+           "--batch-size", str(BATCH_SIZE), "--summary-file", summary_file]
 command += ["--client-mode"] if CLIENT_MODE else []
 command += ["--minutes", str(MINUTES)] if MINUTES else []
 command += ["--max-epochs", str(MAX_EPOCHS)] if MAX_EPOCHS else []
@@ -140,7 +162,7 @@ if os.path.exists(summary_file):
     ])
 
 
-def generate_notebook(coordinator_url: str, *, run_id: str | None = None) -> dict:
+def generate_notebook(coordinator_url: str, *, run_id: str | None = None, pin: str = "") -> dict:
     url = json.dumps(coordinator_url.rstrip("/"))
     title = f"Draw with the run {run_id}" if run_id else "Draw with the run"
     return _notebook([
@@ -152,6 +174,7 @@ prompts (or your own): for each prompt the model draws `SAMPLES` pictures and th
 A GPU draws in seconds; a CPU takes a few seconds per picture."""),
         ("code", f"""
 COORDINATOR = {url}  # this run's coordinator
+PIN = {json.dumps(pin)}  # its key's fingerprint, as its join page shows it: every file is checked against its signature
 CHECKPOINT = "latest"  # latest, best (lowest validation loss), or a name from the checkpoints page
 PROMPTS = None  # a list of your own prompts; None: the prompts the run draws on its samples page
 SAMPLES = 32  # pictures drawn per prompt (the paper: 128)
@@ -167,7 +190,7 @@ from crowdtrain.data.generate import generate_rows
 from crowdtrain.remote import fetch_checkpoint, run_prompts
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-checkpoint = fetch_checkpoint(COORDINATOR, which=CHECKPOINT)
+checkpoint = fetch_checkpoint(COORDINATOR, which=CHECKPOINT, pin=PIN)
 prompts = PROMPTS or run_prompts(COORDINATOR)
 print(f"checkpoint {checkpoint.name} on {device}: {len(prompts)} prompts")
 result = generate_rows(checkpoint, prompts, GenerateConfig(num_samples=SAMPLES, keep=KEEP),

@@ -46,9 +46,12 @@ NAV = (("/", "Home"), ("/dashboard", "Dashboard"), ("/leaderboard", "Leaderboard
        ("/memcalc/", "Memory calculator"), ("/docs", "API"))
 
 
-def join_command(public_url: str, auth_mode: str) -> str:
-    """The one command a volunteer runs (``YOUR_KEY``/``YOUR_NAME`` are placeholders they fill in)."""
-    return f"crowdtrain join {public_url}" + (" --key YOUR_KEY" if auth_mode == "allowlist" else " --user YOUR_NAME")
+def join_command(public_url: str, auth_mode: str, pin: str | None = None) -> str:
+    """The one command a volunteer runs (``YOUR_KEY``/``YOUR_NAME`` are placeholders they fill in).
+    ``pin``: the coordinator key's fingerprint (crowdtrain.runspec.trust), so that the command
+    refuses any other coordinator at that address."""
+    line = f"crowdtrain join {public_url}" + (f" --pin {pin}" if pin else "")
+    return line + (" --key YOUR_KEY" if auth_mode == "allowlist" else " --user YOUR_NAME")
 
 
 # ---- formatting, as Jinja filters ------------------------------------------------------------------
@@ -213,8 +216,9 @@ def _shapes_prompts(run_prompts: list | None, items: list[dict]) -> bool:
 
 
 def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: str,
-                  checkpoint_dir: Path | None = None, install: str = "") -> APIRouter:
-    """``install``: the line that installs this coordinator's crowdtrain (crowdtrain.release)."""
+                  checkpoint_dir: Path | None = None, install: str = "", pin: str | None = None) -> APIRouter:
+    """``install``: the line that installs this coordinator's crowdtrain (crowdtrain.release);
+    ``pin``: its key's fingerprint, which the join command carries."""
     run_dir = Path(run_dir)
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else run_dir / "checkpoints"
     templates = _templates()
@@ -230,7 +234,7 @@ def create_router(*, run_dir: Path, store: Store, public_url: str, auth_mode: st
         status = run_status(run_dir, store)
         total = status["total_epochs"]
         base = {"nav": NAV, "page": page, "public_url": public_url, "auth_mode": auth_mode,
-                "join_command": join_command(public_url, auth_mode), "install_command": install,
+                "join_command": join_command(public_url, auth_mode, pin), "install_command": install, "pin": pin,
                 "run_id": info.get("run_id"),
                 "info": info, "model": info.get("task", {}).get("model", {}), "status": status, "now": time.time(),
                 "progress": min(status["epoch"] / total, 1.0) if total else 0.0}

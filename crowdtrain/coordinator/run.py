@@ -46,7 +46,15 @@ class CoordinatorConfig:
     data: str = "shapes"  # a shard folder (served over HTTP), an http(s) URL, a hub id, or pattern/synthetic
     host: str = "0.0.0.0"
     port: int = 8000
-    public_host: str = "127.0.0.1"  # the address volunteers use to reach this machine
+    public_host: str = "127.0.0.1"  # the address volunteers use to reach this machine (its DHT peer)
+    # The address every URL handed out starts with (install line, join info, shards, checkpoints,
+    # notebooks, pages): https://run.example.org behind a TLS proxy; default: http(s)://PUBLIC_HOST:PORT.
+    public_url: str | None = None
+    tls_cert: str | None = None  # serve HTTPS itself: a PEM certificate (chain) and its private key
+    tls_key: str | None = None
+    # Addresses of reverse proxies in front (comma-separated, e.g. 127.0.0.1 for Caddy on this machine):
+    # only their X-Forwarded-For is believed, so rate limits see the real clients. None: no proxy.
+    trusted_proxy: str | None = None
     dht_host: str = "0.0.0.0"
     dht_port: int = 31337
     run_dir: str | None = None  # default: runs/RUN_ID
@@ -94,6 +102,7 @@ class CoordinatorConfig:
             raise ValueError(f"--collect-every-s must be between 0.2 and 30 s, got {self.collect_every_s}")
         if self.valid_rows < 0:
             raise ValueError("--valid-rows must be >= 0 (0: no validation loss at checkpoints)")
+        self._check_web_settings()
         if self.port == self.dht_port:
             raise ValueError(f"--port and --dht-port are both {self.port}: the HTTP service and the DHT peer need "
                              "a port each")
@@ -107,6 +116,29 @@ class CoordinatorConfig:
         if self.sample_prompts is not None:
             from crowdtrain.data.sample_prompts import read_prompt_file
             read_prompt_file(self.sample_prompts)  # a bad file stops the start, before anything is created
+
+    def _check_web_settings(self) -> None:
+        import urllib.parse
+
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: the certificate and its private key")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"{flag} {path}: no such file")
+        if self.public_url is None:
+            return
+        parts = urllib.parse.urlsplit(self.public_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+                or parts.query or parts.fragment or parts.username:
+            raise ValueError(f"--public-url must be the run's address alone, e.g. https://run.example.org or "
+                             f"https://run.example.org:8443 (no path), got {self.public_url!r}")
+        if self.tls_cert is not None and parts.scheme != "https":
+            raise ValueError(f"--tls-cert serves HTTPS, but --public-url {self.public_url} says http://: "
+                             "make it https://")
+        if parts.scheme == "http" and self.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning("--public-url %s is plain HTTP: anyone on the network path can change the install line "
+                           "and read API keys. Serve HTTPS (--tls-cert/--tls-key, or a proxy such as Caddy: "
+                           "docs/organize-a-run.md)", self.public_url)
 
     @property
     def key_path(self) -> Path:
@@ -124,7 +156,9 @@ class CoordinatorConfig:
 
     @property
     def url(self) -> str:
-        return f"http://{self.public_host}:{self.port}"
+        if self.public_url is not None:
+            return self.public_url.rstrip("/")
+        return f"{'https' if self.tls_cert else 'http'}://{self.public_host}:{self.port}"
 
 
 def _sha256(path: Path) -> str:
@@ -525,8 +559,11 @@ def run_coordinator(config: CoordinatorConfig) -> int:
         info, problem = files.read_run_info(run_dir)
         if info is None:
             raise RuntimeError(f"the auxiliary peer wrote a broken {files.RUN_INFO}: {problem}; see {run_dir / 'aux.log'}")
-        logger.info("run %s is up: volunteers join with\n\n    crowdtrain join %s\n\nDHT peer %s",
-                    config.run_id, config.url, info.coordinator_peer_id)
+        from crowdtrain.runspec.trust import fingerprint
+
+        logger.info("run %s is up: volunteers join with\n\n    crowdtrain join %s --pin %s\n\nDHT peer %s",
+                    config.run_id, config.url, fingerprint(spec["auth"]["coordinator_public_key"]),
+                    info.coordinator_peer_id)
         logger.info("dashboard: %s/dashboard", config.url)
         app = create_app(run_dir, store=store, shards_dir=shards_dir,
                          text_tokenizer=spec["text_tokenizer"]["path"] if spec["text_tokenizer"] else None,
@@ -534,7 +571,10 @@ def run_coordinator(config: CoordinatorConfig) -> int:
                                            token_lifetime_s=config.token_lifetime_s,
                                            requests_per_minute=config.token_requests_per_minute),
                          public_url=config.url, checkpoint_dir=config.checkpoint_dir)
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        proxies = {"proxy_headers": True, "forwarded_allow_ips": config.trusted_proxy} if config.trusted_proxy \
+            else {"proxy_headers": False}
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", ssl_certfile=config.tls_cert,
+                    ssl_keyfile=config.tls_key, **proxies)
     finally:
         aux.stop()
         store.close()

@@ -30,12 +30,14 @@ from pydantic import BaseModel, Field
 
 from crowdtrain import release
 from crowdtrain.coordinator.db import Store
+from crowdtrain.coordinator.manifest import CACHE_FILE, FileHashes, checkpoint_files, fixed_files
 from crowdtrain.coordinator.notebooks import generate_notebook, join_notebook
 from crowdtrain.coordinator.pages import NAV, mark_gaps, create_router as pages_router
 from crowdtrain.coordinator.status import CHECKPOINT_FILES, run_status
 from crowdtrain.data.sample_prompts import load_run_prompts
 from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
 from crowdtrain.runspec.tokens import CoordinatorKey, check_token_request, peer_id_of_key
+from crowdtrain.runspec.trust import fingerprint, sign_answer
 
 MAX_BODY_BYTES = 64 * 1024
 
@@ -121,6 +123,17 @@ def _check_limit(limit: int, most: int) -> None:
         raise HTTPException(422, f"limit must be between 1 and {most}")
 
 
+def _finite(data):
+    """``data`` with NaN and infinities as None (JSON has no such numbers)."""
+    if isinstance(data, float):
+        return data if data == data and abs(data) != float("inf") else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_finite(v) for v in data]
+    return data
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -190,9 +203,25 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     # The crowdtrain this process runs, as the wheel volunteers install (crowdtrain.release).
     wheel = release.build_wheel(run_dir / "install")
     install = release.install_line(public_url, wheel)
+    key_fingerprint = fingerprint(signing_key.public_key)
     version_info = {"version": release.full_version(), "protocol": release.PROTOCOL, "build": release.build_id(),
                     "install": install, "wheel": f"{public_url.rstrip('/')}/install/{wheel.filename}",
-                    "wheel_sha256": wheel.sha256}
+                    "wheel_sha256": wheel.sha256, "fingerprint": key_fingerprint}
+    # What the signed answers vouch for (crowdtrain.coordinator.manifest, crowdtrain.runspec.trust).
+    hashes = FileHashes(run_dir / CACHE_FILE)
+    run_files = fixed_files(hashes, wheel_name=wheel.filename, wheel_sha256=wheel.sha256,
+                            shards_dir=Path(shards_dir) if shards_dir is not None else None,
+                            served_shard=SERVED_SHARD_FILE,
+                            text_tokenizer=Path(text_tokenizer) if text_tokenizer is not None else None)
+
+    def signed(data, status_code: int = 200) -> Response:
+        """``data`` as JSON, with the coordinator's signature of the exact bytes (volunteers act on it)."""
+        try:
+            body = json.dumps(data, allow_nan=False).encode()
+        except ValueError:  # NaN or infinity in a broken run.json: null, which volunteers refuse by name
+            body = json.dumps(_finite(data)).encode()
+        return Response(body, status_code=status_code, media_type="application/json",
+                        headers=sign_answer(signing_key, body))
     limiter = RateLimiter(auth.requests_per_minute)
     # /docs from files this process serves (crowdtrain.coordinator.api_docs): FastAPI's own loads
     # them from a CDN, a blank page offline. No ReDoc, which would too.
@@ -228,16 +257,25 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     # The memory calculator page, for volunteers sizing a GPU, with the way back to the run's pages.
     app.include_router(memcalc_router("/memcalc", nav=NAV, site=True, run=_memcalc_run(run_dir)))
     app.include_router(pages_router(run_dir=run_dir, store=store, public_url=public_url, auth_mode=auth.mode,
-                                   checkpoint_dir=checkpoint_dir, install=install))
+                                   checkpoint_dir=checkpoint_dir, install=install, pin=key_fingerprint))
 
     @app.get("/api/version", summary="The crowdtrain this coordinator runs: version, protocol, and the line that "
-                                     "installs it (its wheel, served here)")
-    def api_version() -> dict:
-        return version_info
+                                     "installs it (its wheel, served here), and the fingerprint of the key "
+                                     "that signs the run's answers")
+    def api_version() -> Response:
+        return signed(version_info)
+
+    @app.get("/api/manifest", summary="sha256 of every file served here (wheel, shards, tokenizer, checkpoints), "
+                                      "signed like /api/join (X-Crowdtrain-Signature)")
+    def api_manifest() -> Response:
+        live = [c["name"] for c in store.checkpoints() if not c.get("pruned") and isinstance(c.get("name"), str)]
+        return signed({"fingerprint": key_fingerprint,
+                       "files": {**run_files, **checkpoint_files(hashes, checkpoint_dir, live, CHECKPOINT_FILES)}})
 
     def notebook(build, filename: str) -> Response:
         run_id = (_read_json(run_dir / "run.json") or {}).get("run_id")
         kwargs = {"auth_mode": auth.mode} if build is join_notebook else {}
+        kwargs["pin"] = key_fingerprint
         body = json.dumps(build(public_url, run_id=run_id if isinstance(run_id, str) else None, **kwargs), indent=1)
         return Response(body, media_type="application/x-ipynb+json",
                         headers={"Content-Disposition": f'attachment; filename="{filename}"'})
@@ -272,18 +310,19 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     @app.get("/api/join", summary="Everything a volunteer needs to join, as data (on an allowlist run, the "
                                   "swarm's addresses only with `Authorization: Bearer KEY`)")
     def api_join(request: Request, authorization: str | None = Header(None), protocol: int | None = None,
-                 version: str | None = None) -> dict | list:
+                 version: str | None = None) -> Response:
         """``protocol``, ``version``: the volunteer's crowdtrain (``crowdtrain join`` sends them first);
         another protocol gets 409 with the line that installs this coordinator's."""
         if protocol is not None and protocol != release.PROTOCOL:
             store.bump("joins_refused_protocol")
-            return JSONResponse({"detail": other_protocol_refusal(protocol, version, install), "install": install,
-                                 "crowdtrain": version_info}, status_code=409)
+            return signed({"detail": other_protocol_refusal(protocol, version, install), "install": install,
+                           "crowdtrain": version_info}, status_code=409)
         info = join_info()
         if not isinstance(info, dict):
-            return info  # a broken run.json: volunteers refuse it, with the reason
+            return signed(info)  # a broken run.json: volunteers refuse it, with the reason
         info = dict(info)
         info["crowdtrain"] = {k: version_info[k] for k in ("version", "protocol", "install")}
+        info["files"] = run_files
         # Files are fetched by URL: the coordinator's own paths are nobody else's business.
         if isinstance(info.get("text_tokenizer"), dict):
             info["text_tokenizer"] = {k: v for k, v in info["text_tokenizer"].items() if k != "path"}
@@ -299,7 +338,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
                         store.bump("token_requests_rate_limited")
                         raise HTTPException(429, f"too many requests with unknown API keys from {client}; "
                                                  "wait a minute and retry")
-        return info
+        return signed(info)
 
     @app.post("/api/token", summary="An access token for this peer's key (send `Authorization: Bearer KEY` "
                                     "in allowlist runs)")

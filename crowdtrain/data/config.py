@@ -70,6 +70,11 @@ class StreamConfig:
     min_caption_chars: int = 3  # the paper drops captions shorter than this
     max_aspect_ratio: float = 2.0  # ... and images more elongated than this
     safe_value: str = "UNLIKELY"  # LAION's NSFW column: only rows flagged UNLIKELY are kept
+    # {URL: sha256} of an http(s) source's files as its coordinator signed them
+    # (crowdtrain.runspec.trust): each shard is then fetched whole and checked before a row of it is
+    # read, the shard list too, and a file that differs (or is not listed) stops the stream with
+    # its name. None: files are read by byte ranges, unchecked (a local folder, a hub data set).
+    verified: dict | None = None
 
     def __post_init__(self):
         if self.shuffle_buffer < 1:

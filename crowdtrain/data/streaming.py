@@ -47,6 +47,7 @@ import numpy as np
 
 from crowdtrain.data.config import StreamConfig
 from crowdtrain.data.shards import MANIFEST
+from crowdtrain.runspec.trust import FileMismatch, check_file
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,34 @@ class HttpRangeFile(io.RawIOBase):
         return len(data)
 
 
-def open_shard(path: str, *, timeout_s: float):
+def fetch_verified(url: str, expected: str | None, *, timeout_s: float, spool_bytes: int = 64 << 20):
+    """The whole file at ``url`` in a temporary file (in memory up to ``spool_bytes``), once its
+    sha256 is ``expected``; :class:`crowdtrain.runspec.trust.FileMismatch` naming it otherwise."""
+    import tempfile
+
+    name = url.rsplit("/", 1)[-1]
+    if expected is None:  # not signed for: refused before a byte is fetched
+        check_file(name, "", None, url)
+    out = tempfile.SpooledTemporaryFile(max_size=spool_bytes)
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            while block := r.read(1 << 20):
+                digest.update(block)
+                out.write(block)
+        check_file(name, digest.hexdigest(), expected, url)
+    except BaseException:
+        out.close()
+        raise
+    out.seek(0)
+    return out
+
+
+def open_shard(path: str, *, timeout_s: float, verified: dict | None = None):
+    """A shard to read: by byte ranges over http(s), or fetched whole and checked when ``verified``
+    ({URL: sha256}, see ``StreamConfig.verified``) is given."""
+    if verified is not None and path.startswith(("http://", "https://")):
+        return fetch_verified(path, verified.get(path), timeout_s=timeout_s)
     if path.startswith(("http://", "https://")):
         return io.BufferedReader(HttpRangeFile(path, timeout_s=timeout_s), buffer_size=1 << 20)
     if path.startswith("hf://"):
@@ -188,6 +216,8 @@ class _Source:
                 self.stats.shards_read += 1
                 self._mark_up()
                 return
+            except FileMismatch:
+                raise  # not bad luck: someone changed the run's data; the volunteer stops, naming it
             except Exception as e:
                 if not (self.manifest_url and is_transient(e)):
                     self._skip(shard, e)
@@ -245,7 +275,7 @@ class _Source:
     def _read(self, shard: str) -> Iterator[dict]:
         import pyarrow.parquet as pq
 
-        with open_shard(shard, timeout_s=self.config.http_timeout_s) as f:
+        with open_shard(shard, timeout_s=self.config.http_timeout_s, verified=self.config.verified) as f:
             pf = pq.ParquetFile(f)
             names = pf.schema_arrow.names
             missing = {"caption", "code"} - set(names)
@@ -331,14 +361,21 @@ def remote_probe(source) -> str | None:
 HUB_ID = r"(hf://datasets/)?[\w.-]+/[\w.-]+"
 
 
-def list_shards(source: str, split: str = "train", *, timeout_s: float = 30.0) -> list[str]:
-    """The shard files of ``split`` in a local folder, under an http(s) base URL, or in a hub data set."""
+def list_shards(source: str, split: str = "train", *, timeout_s: float = 30.0,
+                verified: dict | None = None) -> list[str]:
+    """The shard files of ``split`` in a local folder, under an http(s) base URL, or in a hub data set.
+    ``verified``: {URL: sha256} the http(s) manifest must match (``StreamConfig.verified``)."""
     source = str(source)
     if (url := remote_manifest_url(source)) is not None:
         base = url.removesuffix(MANIFEST)
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as r:
-                manifest = json.loads(r.read())
+                text = r.read()
+            if verified is not None:
+                check_file(MANIFEST, hashlib.sha256(text).hexdigest(), verified.get(url), url)
+            manifest = json.loads(text)
+        except FileMismatch:
+            raise
         except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
             kind = ShardListUnavailable if is_transient(e) else ValueError
             raise kind(f"cannot read {url} ({e}); serve a shard folder made by "
@@ -455,7 +492,7 @@ def _list_shards_riding_out_outages(source, split: str, config: StreamConfig) ->
     start, delay = time.monotonic(), min(1.0, config.retry_max_delay_s)
     while True:
         try:
-            return list_shards(source, split, timeout_s=config.http_timeout_s)
+            return list_shards(source, split, timeout_s=config.http_timeout_s, verified=config.verified)
         except ShardListUnavailable as e:
             down_for = time.monotonic() - start
             if down_for + delay > config.outage_patience_s:

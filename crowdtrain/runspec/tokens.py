@@ -77,6 +77,11 @@ class CoordinatorKey:
         """OpenSSH encoding, the format hivemind's ``RSAPublicKey.from_bytes`` reads."""
         return self._key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
 
+    def sign(self, payload: bytes) -> bytes:
+        """RSA-PSS (SHA-256) over ``payload``; callers prefix it with what it means (tokens,
+        ``crowdtrain.runspec.trust.answer_payload``), so one signature never stands for another."""
+        return self._key.sign(payload, _PADDING, _HASH)
+
     def issue(self, username: str, peer_public_key: bytes, *, lifetime_s: float) -> dict:
         """A token as JSON-able data; ``signature`` is base64 like hivemind's ``RSAPrivateKey.sign``."""
         if b"\n" in peer_public_key or "\n" in username:

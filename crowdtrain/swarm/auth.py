@@ -130,6 +130,10 @@ class HttpTokenSource:
                  timeout_s: float = 15.0):
         self.token_url, self.private_key = token_url, private_key
         self.api_key, self.user, self.timeout_s = api_key, user, timeout_s
+        if api_key:
+            from crowdtrain.runspec.trust import check_key_transport
+
+            check_key_transport(token_url)
 
     def __call__(self) -> dict:
         body = json.dumps(token_request(self.private_key.get_public_key().to_bytes(), self.user,

@@ -31,6 +31,10 @@ def register(subparsers) -> None:
     p.add_argument("--key", default=None,
                    help="your API key for runs that admit only invited users (or set CROWDTRAIN_KEY); the "
                         "organizer makes one with `crowdtrain users add NAME`")
+    p.add_argument("--pin", default=None, metavar="SHA256:...",
+                   help="the coordinator key's fingerprint, as its join page shows it: join only a coordinator "
+                        "holding that key (without it, the key seen on first contact is remembered and a changed "
+                        "one refused)")
     p.add_argument("--user", default="anonymous",
                    help="name shown for your contributions in open runs: 1-64 ASCII letters, digits, '-', '_', '.' "
                         "(with --key, the key's user is used)")
@@ -82,8 +86,10 @@ def _join(args) -> int:
     # The options first, then the coordinator's protocol, both before torch's import (seconds; a
     # minute on a busy machine): a wrong option, or a coordinator of another protocol (which
     # answers with the line that installs its own), is said at once.
+    from crowdtrain.runspec.trust import CoordinatorTrust
+
     config = VolunteerConfig(
-        coordinator_url=args.url, batch_size=args.batch_size, device=args.device, precision=args.precision,
+        coordinator_url=args.url, pin=args.pin, batch_size=args.batch_size, device=args.device, precision=args.precision,
         client_mode=args.client_mode, host=args.host, max_epochs=args.max_epochs, max_minutes=args.minutes,
         user=args.user, api_key=args.key or os.environ.get("CROWDTRAIN_KEY"), identity=args.identity,
         simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
@@ -91,12 +97,13 @@ def _join(args) -> int:
         summary_file=args.summary_file, save_final=args.save_final,
         model_overrides=parse_overrides(args.model, flag="--model"), fault=args.inject_fault, verbose=args.verbose)
     base = config.coordinator_url.rstrip("/")
-    info = fetch_json(join_url(base), api_key=config.api_key)
+    trust = CoordinatorTrust(base, pin=config.pin)
+    info = fetch_json(join_url(base), api_key=config.api_key, trust=trust)
     check_same_protocol(info, base)
 
     from crowdtrain.lifecycle import forks_die_with_this_process
     from crowdtrain.swarm.peer import run_volunteer
 
     forks_die_with_this_process()  # hivemind's DHT and averager processes end with this one
-    run_volunteer(config, info=info)
+    run_volunteer(config, info=info, trust=trust)
     return 0

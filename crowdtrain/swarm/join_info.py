@@ -184,9 +184,9 @@ def _refused(error: BaseException) -> bool:
     return isinstance(getattr(error, "reason", error), ConnectionRefusedError)
 
 
-def _detail(error: urllib.error.HTTPError, limit: int = 2000) -> str:
+def _detail(body: bytes, limit: int = 2000) -> str:
     """An error answer's ``detail`` (the coordinator says what is wrong there), else its text."""
-    text = error.read().decode(errors="replace")[:limit]
+    text = body.decode(errors="replace")[:limit]
     try:
         detail = json.loads(text)["detail"]
     except (ValueError, KeyError, TypeError):
@@ -235,14 +235,22 @@ def check_same_protocol(info: dict, base: str) -> None:
                      f"(protocol {PROTOCOL}) and cannot train with it. {fix}")
 
 
-def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, api_key: str | None = None) -> dict:
+def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, api_key: str | None = None,
+               trust=None) -> dict:
     """GET JSON, retrying while the coordinator is unreachable (e.g. restarting) for ``patience_s``.
-    ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its users).
+    ``api_key``: sent as a bearer token (an allowlist run gives its peers' addresses only to its
+    users), never over plain HTTP to another machine. ``trust``: a
+    ``crowdtrain.runspec.trust.CoordinatorTrust`` the answer must satisfy (signed by the pinned or
+    remembered key), the refusal of another protocol included, as it carries an install line.
 
     A refused first connection is most often a wrong address (a typo'd port), so that is said at
     once, before the retries that wait for a coordinator that is still starting."""
     deadline = time.monotonic() + patience_s
     delay, last = 1.0, None
+    if api_key:
+        from crowdtrain.runspec.trust import check_key_transport
+
+        check_key_transport(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     where = urllib.parse.urlsplit(url)
     address = f"{where.hostname}:{where.port or (443 if where.scheme == 'https' else 80)}"
@@ -250,10 +258,16 @@ def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, 
     while True:
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
-                return json.loads(response.read())
+                body = response.read()
+                if trust is not None:
+                    trust.check(body, response.headers, f"the answer of {url}")
+                return json.loads(body)
         except urllib.error.HTTPError as e:
             if e.code < 500:
-                raise ValueError(f"{url} answered {e.code}: {_detail(e)}") from e
+                body = e.read()
+                if trust is not None and e.code == 409:
+                    trust.check(body, e.headers, f"the answer of {url}")
+                raise ValueError(f"{url} answered {e.code}: {_detail(body)}") from e
             last = e  # 503 while the run starts: retry
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
             last = e

@@ -252,13 +252,15 @@ def choose_batch(model, swarm, *, device: str, batch_size, precision: str = "fp3
 
 
 def describe_device_and_batch(coordinator: str, *, device: str = AUTO, batch_size=AUTO,
-                              precision: str = "fp32") -> str:
+                              precision: str = "fp32", pin: str | None = None) -> str:
     """The device and batch size ``crowdtrain join COORDINATOR`` would use here, as its start-up
-    lines say them (the join notebook shows them before it starts the peer)."""
+    lines say them (the join notebook shows them before it starts the peer). ``pin``: the
+    coordinator key's fingerprint (crowdtrain.runspec.trust)."""
+    from crowdtrain.runspec.trust import CoordinatorTrust
     from crowdtrain.swarm.join_info import check_join_info, check_same_protocol, fetch_json, join_url
 
     base = coordinator.rstrip("/")
-    info = fetch_json(join_url(base), patience_s=30)
+    info = fetch_json(join_url(base), patience_s=30, trust=CoordinatorTrust(base, pin=pin))
     check_same_protocol(info, base)
     device_name, device_line = resolve_device(device)
     checked = check_join_info(info, source=base, device=device_name)

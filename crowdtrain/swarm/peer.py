@@ -48,6 +48,27 @@ def download_asset(url: str, sha256: str, cache_dir: Path) -> Path:
     return path
 
 
+def signed_files(info: dict, trust) -> dict[str, str] | None:
+    """{shard URL: sha256} of the run's data as the coordinator signed it, for the stream to check
+    every shard against (None: the data is not served by the coordinator, e.g. a hub data set, or
+    generated). Also refuses join information whose token key is not the key that signed it."""
+    from crowdtrain.runspec.trust import UntrustedCoordinator
+
+    auth = info.get("auth") if isinstance(info.get("auth"), dict) else {}
+    if trust.key is not None and auth.get("coordinator_public_key") not in (None, trust.key):
+        raise UntrustedCoordinator("the join information names another token key than the one that signed it; "
+                                   "not joining")
+    files = info.get("files")
+    data = info["task"]["data"]
+    if not isinstance(files, dict) or not data.startswith(("http://", "https://")):
+        return None
+    shards = {name.removeprefix("shards/"): sha for name, sha in files.items()
+              if isinstance(name, str) and name.startswith("shards/") and isinstance(sha, str)}
+    if not shards:
+        return None
+    return {f"{data.rstrip('/')}/{name}": sha for name, sha in shards.items()}
+
+
 def check_fingerprint(info: dict, model_config, model=None) -> None:
     """``model``: the one this peer built from ``model_config`` (see ``architecture_fingerprint``)."""
     from crowdtrain.model.info import architecture_fingerprint
@@ -92,17 +113,23 @@ def _leave_on_signals(event: threading.Event) -> None:
     on_signals(leave, ctrl_c_again_quits=True)
 
 
-def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, info: dict | None = None) -> dict:
+def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, info: dict | None = None,
+                  trust=None) -> dict:
     """``info``: the coordinator's join information when the caller fetched it already (``crowdtrain
-    join`` does, before importing torch); otherwise it is fetched here."""
+    join`` does, before importing torch, with ``trust`` that checked it); otherwise it is fetched
+    here."""
+    from crowdtrain.runspec.trust import CoordinatorTrust
     from crowdtrain.swarm.join_info import check_join_info, check_same_protocol, fetch_json, join_url
 
     base = config.coordinator_url.rstrip("/")
+    if info is None or trust is None:
+        trust = CoordinatorTrust(base, pin=config.pin)
+        info = None
     # First, before seconds of imports (hivemind, bitsandbytes): a wrong address is said at once.
     # Says which crowdtrain this is: a coordinator of another protocol answers with the line that
     # installs its own, and this stops before any DHT or thread starts.
     if info is None:
-        info = fetch_json(join_url(base), api_key=config.api_key)
+        info = fetch_json(join_url(base), api_key=config.api_key, trust=trust)
     check_same_protocol(info, base)
     from crowdtrain.swarm.schedule_watch import ScheduleWatch, check_not_finished, run_schedule
 
@@ -117,6 +144,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
     # hivemind's and bitsandbytes' imports (below): a bad config is said in half the time.
     checked = check_join_info(info, model_overrides=config.model_overrides, source=base, device=device_name)
     swarm, model_config = checked.swarm, checked.model
+    verified = signed_files(info, trust)
     autocast_context(torch.device(device_name), config.precision)  # refuses a precision this device lacks
     batch_size, batch_line = machine.choose_batch(model_config, swarm, device=device_name, batch_size=config.batch_size,
                                                   precision=config.precision, memcalc_url=f"{base}/memcalc/")
@@ -148,7 +176,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
     # The learning-rate schedule the optimizer reads at each step; `watch` keeps it the coordinator's.
     joined_schedule = run_schedule(info, swarm)
     schedule = Schedule(warmup_epochs=joined_schedule.warmup_epochs, total_epochs=joined_schedule.total_epochs)
-    watch = ScheduleWatch(base, info, schedule, api_key=config.api_key)
+    watch = ScheduleWatch(base, info, schedule, api_key=config.api_key, trust=trust)
     tokenizer = None
     if info.get("text_tokenizer"):
         tokenizer = download_asset(info["text_tokenizer"]["url"], info["text_tokenizer"]["sha256"],
@@ -157,7 +185,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
 
     task = DalleTask(model_config, data=info["task"]["data"], text_tokenizer=tokenizer,
                      stream_config=StreamConfig(outage_patience_s=config.data_outage_patience_s,
-                                                shuffle_buffer=config.shuffle_buffer))
+                                                shuffle_buffer=config.shuffle_buffer, verified=verified))
 
     device = torch.device(config.device)
     stop_event = stop or threading.Event()

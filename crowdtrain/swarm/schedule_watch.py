@@ -112,11 +112,12 @@ class ScheduleWatch:
     """
 
     def __init__(self, url: str, joined: dict, schedule: Schedule, *, api_key: str | None = None,
-                 poll_s: float = 15.0, timeout_s: float = 5.0, confirm_s: float = 30.0, fetch=None):
+                 poll_s: float = 15.0, timeout_s: float = 5.0, confirm_s: float = 30.0, fetch=None, trust=None):
         self.url = url.rstrip("/")
         self.schedule = schedule
         self.poll_s, self.timeout_s, self.confirm_s = poll_s, timeout_s, confirm_s
         self.api_key = api_key
+        self.trust = trust  # a crowdtrain.runspec.trust.CoordinatorTrust: answers must be signed by the run's key
         self._fetch = fetch or (lambda: self._get("/api/join"))
         self._joined = _fixed_part(joined)
         self._reported: set = set()  # differences already logged
@@ -133,7 +134,10 @@ class ScheduleWatch:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=headers),
                                     timeout=self.timeout_s) as response:
-            return json.loads(response.read())
+            body = response.read()
+            if self.trust is not None:
+                self.trust.check(body, response.headers, f"the answer of {self.url}{path}")
+            return json.loads(body)
 
     def poll_once(self) -> bool:
         """Read the coordinator's schedule once and take it; False if it could not be read."""

@@ -24,6 +24,9 @@ class VolunteerConfig:
     precision: str = "fp32"
     user: str = "anonymous"
     api_key: str | None = None  # for allowlist runs: `crowdtrain users add NAME` prints it
+    # The coordinator key's fingerprint (SHA256:..., on its join page): answers signed by any other
+    # key are refused. None: the key seen on first contact is remembered (crowdtrain.runspec.trust).
+    pin: str | None = None
     identity: str | None = None  # private key file of this peer (default: a fresh one, deleted on exit)
     cache_dir: str = "~/.cache/crowdtrain"
     summary_file: str | None = None  # write a JSON summary here when leaving
@@ -47,6 +50,10 @@ class VolunteerConfig:
         if not self.coordinator_url.startswith(("http://", "https://")):
             raise ValueError(f"the coordinator address must be an http(s) URL such as http://HOST:8000, "
                              f"got {self.coordinator_url!r}")
+        if self.pin is not None:
+            from crowdtrain.runspec.trust import check_pin
+
+            self.pin = check_pin(self.pin)
         if self.batch_size != "auto" and not (type(self.batch_size) is int and self.batch_size >= 1):
             raise ValueError(f"--batch-size must be auto or an integer >= 1, got {self.batch_size!r}")
         if self.torch_threads is not None and not self.torch_threads >= 1:
