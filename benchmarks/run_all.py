@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["bench_memcalc", "bench_data", "bench_model", "bench_swarm", "bench_diloco", "bench_robust",
-              "bench_allreduce", "bench_state_snapshot", "bench_quality", "bench_diloco_outer", "bench_rate_limiter"]
+              "bench_allreduce", "bench_state_snapshot", "bench_quality", "bench_diloco_outer", "bench_rate_limiter", "bench_verify"]
 
 
 def main() -> int:

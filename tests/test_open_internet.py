@@ -133,7 +133,8 @@ def run(tmp_path_factory):
         mitm = Mitm(tmp / "mitm", upstream_ca=certs["ca"])
         bundle = tmp / "trusted.pem"  # the volunteer trusts the run's CA and, unknowingly, the attacker's
         bundle.write_text(certs["ca"].read_text() + mitm.ca.read_text())
-        swarm.mitm, swarm.proxied_env = mitm, {**swarm.env, **mitm.env(bundle), "PIP_CERT": str(bundle)}
+        swarm.mitm, swarm.proxied_env = mitm, {**swarm.env, **mitm.env(bundle), "PIP_CERT": str(bundle),
+                                               "REQUESTS_CA_BUNDLE": str(bundle)}
         yield swarm
     finally:
         if mitm is not None:

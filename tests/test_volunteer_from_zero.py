@@ -2,6 +2,11 @@
 coordinator shows, `crowdtrain join`; and the coordinator's two notebooks on a real Jupyter
 kernel (nbclient) in that same fresh environment.
 
+The coordinator is deployed as docs/organize-a-run.md says for the Internet: on 127.0.0.1 behind
+a real Caddy that serves HTTPS (its internal CA here, which the volunteer's machine trusts through
+``SSL_CERT_FILE`` and ``PIP_CERT``; a public certificate on a real domain), with
+``--public-url`` and ``--trusted-proxy``. Everything a volunteer does goes through it.
+
 The environment has torch first, as a notebook or GPU machine has it: this machine's (the pinned
 CPU build), installed outside the venv where pip sees it but does not own it, as a notebook
 image's is; then only what the install line brings.
@@ -23,6 +28,9 @@ import pytest
 
 from crowdtrain.launch import LocalSwarm, get_json
 from crowdtrain.release import PROTOCOL
+from crowdtrain.runspec.tokens import CoordinatorKey
+from crowdtrain.runspec.trust import fingerprint
+from tests.tls_servers import Caddy
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +54,19 @@ def python_with_torch(tmp_path_factory):
     return {"venv": venv, "timings": timings, "before": bench.installed(venv)}
 
 
+def system_roots() -> str:
+    """The CA bundle this machine's clients use now (pip's package index is verified with it)."""
+    import ssl
+
+    import certifi
+
+    for candidate in (os.environ.get("REQUESTS_CA_BUNDLE"), os.environ.get("PIP_CERT"),
+                      os.environ.get("SSL_CERT_FILE"), ssl.get_default_verify_paths().cafile, certifi.where()):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise FileNotFoundError("no CA bundle on this machine")
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory, python_with_torch):
     from crowdtrain.data import ensure_demo_shards
@@ -61,7 +82,19 @@ def swarm(tmp_path_factory, python_with_torch):
     # the drawing notebook.
     swarm = LocalSwarm(tmp, data=str(shards), swarm={"total_epochs": 100_000, "target_batch_size": 96,
                                                      "checkpoint_every_epochs": 4})
-    swarm.start_coordinator()
+    caddy = Caddy(tmp / "caddy", upstream=swarm.port)
+    swarm.url = caddy.url
+    # What the volunteer's machine trusts: the roots it has (the package index's among them) and the
+    # proxy's CA (a real deployment's certificate chains to the usual roots: nothing to set).
+    bundle = tmp / "trusted.pem"
+    bundle.write_text(Path(system_roots()).read_text() + caddy.root_ca.read_text())
+    # pip's requests takes REQUESTS_CA_BUNDLE over PIP_CERT where both are set (as on this machine).
+    trusted = {k: str(bundle) for k in ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE")}
+    saved = {k: os.environ.get(k) for k in trusted}
+    os.environ.update(trusted)  # the kernels' and the fresh venv's too
+    swarm.env.update(trusted)
+    swarm.start_coordinator(extra=["--public-url", caddy.url, "--trusted-proxy", "127.0.0.1"])
+    swarm.pin = fingerprint(CoordinatorKey.load_or_create(swarm.run_dir / "coordinator_key.pem").public_key)
     # At a slow device's pace (steps padded to 1 s): the run lasts the whole module, and its peer
     # is there to serve the state and average with the newcomers, not to train; at full speed it
     # would take half a core from the fresh volunteer and the notebooks' kernels (a fifth at 0.25 s).
@@ -69,6 +102,12 @@ def swarm(tmp_path_factory, python_with_torch):
     swarm.join("first", batch_size=8, max_epochs=100_000, extra=["--simulated-step-s", "1.0"])
     yield swarm
     swarm.close()
+    caddy.close()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +121,7 @@ def fresh(python_with_torch, swarm):
 
 
 def test_the_install_line_brings_the_coordinators_crowdtrain_keeps_torch_and_nothing_more(swarm, fresh):
+    assert fresh["line"].startswith(f'pip install "crowdtrain[volunteer] @ {swarm.url}/install/'), fresh["line"]
     after = fresh["after"]
     version = get_json(f"{swarm.url}/api/version")["version"]
     assert after["crowdtrain"] == version, "pip must install the coordinator's own build"
@@ -95,7 +135,8 @@ def test_the_install_line_brings_the_coordinators_crowdtrain_keeps_torch_and_not
 def test_a_fresh_volunteer_joins_and_is_credited(swarm, fresh, tmp_path):
     summary = tmp_path / "summary.json"
     seconds, proc = bench.join_until_first_step(fresh["venv"], swarm.url, user="fresh", log=tmp_path / "fresh.log",
-                                                extra=["--batch-size", "8", "--summary-file", str(summary)])
+                                                extra=["--batch-size", "8", "--summary-file", str(summary),
+                                                       "--pin", swarm.pin])
     # Trains with the swarm until the run credits it: the coordinator's auxiliary peer credits the
     # round records at its next refresh, which a checkpoint (a download, the validation loss) can
     # hold for several seconds on a busy machine.
@@ -170,6 +211,7 @@ def test_the_join_notebook_trains_on_a_real_kernel_and_leaves_cleanly_when_inter
 
     kernel = _kernel(jupyter_path, monkeypatch)
     notebook = _notebook(swarm, "/join.ipynb", {"USER": "notebook", "MINUTES": 4})
+    assert f'PIN = "{swarm.pin}"' in notebook.cells[1].source  # what it checks the install and the run against
     client = NotebookClient(notebook, kernel_name=kernel, timeout=400, allow_errors=False)
     credited = threading.Event()
 
