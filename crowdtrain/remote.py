@@ -134,3 +134,58 @@ def run_prompts(coordinator: str) -> list[str]:
         raise ValueError(f"{base}/api/prompts answered a JSON {type(prompts).__name__}, not a list")
     return [p["prompt"][:300] for p in prompts if isinstance(p, dict) and isinstance(p.get("prompt"), str)
             and p["prompt"].strip()]
+
+
+def fetch_data(shards_url: str, *, pin: str | None = None, cache_dir: str | Path = "~/.cache/crowdtrain",
+               skip_splits=("train",), timeout_s: float = 300.0) -> Path:
+    """A coordinator's shard folder (``https://HOST/shards``), all but the ``skip_splits`` shards,
+    downloaded into ``cache_dir/data/DIGEST`` and each file checked against the coordinator's
+    signed manifest (``pin``: its key's fingerprint, crowdtrain.runspec.trust). What `crowdtrain
+    eval` reads a run's held-out splits from, instead of streaming them unchecked."""
+    shards_url = shards_url.rstrip("/")
+    if not shards_url.endswith("/shards"):
+        raise ValueError(f"{shards_url} is not a coordinator's shard folder (https://HOST/shards)")
+    base = shards_url.removesuffix("/shards")
+    signed = {name.removeprefix("shards/"): sha for name, sha in signed_manifest(
+        base, CoordinatorTrust(base, pin=pin)).items() if name.startswith("shards/") and _NAME.fullmatch(
+        name.removeprefix("shards/"))}
+    if "shards.json" not in signed:
+        raise ValueError(f"{base}'s signed manifest lists no shards.json: its data is not served by it")
+    digest = hashlib.sha256("".join(f"{n}:{s}\n" for n, s in sorted(signed.items())).encode()).hexdigest()
+    folder = Path(cache_dir).expanduser() / "data" / digest[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def fetch(name: str) -> Path:
+        target = folder / name
+        if target.is_file() and sha256_file(target) == signed[name]:
+            return target
+        tmp, hasher = target.with_name(name + ".partial"), hashlib.sha256()
+        url = f"{shards_url}/{urllib.parse.quote(name)}"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as out:
+                while chunk := response.read(1 << 20):
+                    hasher.update(chunk)
+                    out.write(chunk)
+            check_file(name, hasher.hexdigest(), signed[name], url)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise ValueError(f"downloading {url} failed: {e}; run it again") from e
+        except ValueError:
+            tmp.unlink(missing_ok=True)
+            raise
+        tmp.replace(target)
+        return target
+
+    manifest = json.loads(fetch("shards.json").read_text())
+    for name in signed:
+        if name.endswith(".json"):
+            fetch(name)
+    for split, entries in (manifest.get("splits") or {}).items():
+        if split in skip_splits:
+            continue
+        for entry in entries:
+            name = entry.get("file") if isinstance(entry, dict) else None
+            if not isinstance(name, str) or name not in signed:
+                check_file(str(name), "", None, shards_url)  # listed but not signed: refused by name
+            fetch(name)
+    return folder

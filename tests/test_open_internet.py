@@ -281,3 +281,23 @@ def test_join_sends_no_api_key_over_plain_http_to_another_machine(tmp_path):
     assert done.returncode == 2 and "refusing to send your API key" in done.stderr, done.stderr[-3000:]
     assert "--public-url https://" in done.stderr
     assert received == [], f"bytes reached {url}: {received}"
+
+
+def test_eval_checks_a_coordinators_held_out_shards_against_its_signed_manifest(run, tmp_path):
+    """`crowdtrain eval` on a checkpoint whose run recorded the coordinator's /shards: the held-out
+    shards are fetched whole and checked; one changed on the way stops it, naming the file."""
+    fetched = fetch_checkpoint_through_proxy(run, tmp_path / "cache")
+    assert fetched.returncode == 0, fetched.stderr[-3000:]
+    checkpoint = fetched.stdout.strip().splitlines()[-1]
+    command = cli("eval", "--checkpoint", checkpoint, "--pin", run.pin, "--max-rows", "16",
+                  "--samples-per-prompt", "1")
+    env = {**run.proxied_env, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")}
+    run.mitm.set_rules([{"path_suffix": "00000.parquet", "kind": "flip"}])
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode != 0 and "does not match the coordinator's signed manifest" in refused.stderr, \
+        refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert "00000.parquet" in refused.stderr and "train-" not in refused.stderr  # held-out shards only
+    run.mitm.set_rules([])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "checked against its coordinator's signed manifest" in done.stdout and "valid" in done.stdout, done.stdout

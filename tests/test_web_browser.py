@@ -155,7 +155,12 @@ def test_leaderboard_lists_both_volunteers(page, trained):
 @pytest.mark.swarm  # the trained run (TRAINED_IN_THE_LANE)
 def test_join_page_shows_the_command_for_this_coordinator(page, trained):
     page.goto(f"{trained.url}/join")
-    assert page.inner_text("#join-command") == f"crowdtrain join {trained.url} --user YOUR_NAME"
+    from crowdtrain.runspec.tokens import CoordinatorKey
+    from crowdtrain.runspec.trust import fingerprint
+
+    pin = fingerprint(CoordinatorKey.load_or_create(trained.run_dir / "coordinator_key.pem").public_key)
+    assert page.inner_text("#join-command") == f"crowdtrain join {trained.url} --pin {pin} --user YOUR_NAME"
+    assert pin in page.inner_text("#pin")
     page.click("text=memory calculator")
     page.wait_for_url(f"{trained.url}/memcalc/")
     assert "memory" in page.inner_text("h1").lower()

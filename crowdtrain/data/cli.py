@@ -174,6 +174,10 @@ def register(subparsers) -> None:
     p.add_argument("--data", default=None, metavar="SHARDS",
                    help="the shards to evaluate on: a folder made by `crowdtrain data prepare` or its URL "
                         "(default: the data the checkpoint's run recorded, e.g. its coordinator's /shards)")
+    p.add_argument("--pin", default=None, metavar="SHA256:...",
+                   help="when the data is a coordinator's (https://HOST/shards): the fingerprint of its key, which "
+                        "every held-out shard is checked against before use (default: the key this machine "
+                        "remembers for that address)")
     p.add_argument("--max-rows", type=int, default=None, metavar="N",
                    help="at most N rows per split, the first N of the fixed evaluation order (default: all; 512 "
                         "gives the rows the coordinator's validation loss uses)")
@@ -341,7 +345,18 @@ def _eval(args) -> int:
     if args.max_rows is not None and args.max_rows < 1:
         raise ValueError("--max-rows must be >= 1")
     top_k, top_p = _resolved_filters(args)
-    results = evaluate_quality(args.checkpoint, data=args.data, max_rows=args.max_rows,
+    from crowdtrain.checkpoint import read_meta
+    from crowdtrain.train.validate import run_data
+
+    data = run_data(args.checkpoint, read_meta(args.checkpoint), args.data)
+    if data.startswith(("http://", "https://")) and data.rstrip("/").endswith("/shards"):
+        from crowdtrain.remote import fetch_data
+
+        # A coordinator's shards: its held-out splits, each file checked against its signed manifest.
+        local = fetch_data(data, pin=args.pin)
+        print(f"held-out shards of {data}, checked against its coordinator's signed manifest, in {local}")
+        data = str(local)
+    results = evaluate_quality(args.checkpoint, data=data, max_rows=args.max_rows,
                                samples_per_prompt=args.samples_per_prompt, top_k=top_k, top_p=top_p,
                                temperature=args.temperature, seed=args.seed, device=args.device)
     print(format_quality(results))
