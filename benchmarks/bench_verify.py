@@ -22,9 +22,30 @@ from pathlib import Path
 
 
 def _serve(folder: Path):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: http.server.SimpleHTTPRequestHandler(
-        *a, directory=str(folder)))
-    server.RequestHandlerClass.log_message = lambda *a: None
+    class Ranged(http.server.BaseHTTPRequestHandler):
+        """Whole files and byte ranges, as the coordinator serves shards (pyarrow seeks)."""
+
+        def do_HEAD(self):
+            self.do_GET(body=False)
+
+        def do_GET(self, body=True):
+            data = (folder / self.path.lstrip("/")).read_bytes()
+            start, end = 0, len(data) - 1
+            ranged = self.headers.get("Range", "").startswith("bytes=")
+            if ranged:
+                first, _, last = self.headers["Range"][6:].partition("-")
+                start, end = int(first), min(int(last) if last else end, end)
+            self.send_response(206 if ranged else 200)
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("Content-Length", str(end - start + 1))
+            self.end_headers()
+            if body:
+                self.wfile.write(data[start:end + 1])
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ranged)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -38,19 +59,29 @@ def _read_rows(f) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-train", type=int, default=20_000, help="rows of the shapes data to make")
+    parser.add_argument("--rows", type=int, default=10_000,
+                        help="rows of the shard, each with a 32x32 grid of codes (the paper's), as a LAION shard")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "verify.json"))
     args = parser.parse_args()
 
-    from crowdtrain.data import ensure_demo_shards
+    import numpy as np
+
+    from crowdtrain.data.shards import codes_to_bytes, write_shard
     from crowdtrain.data.streaming import fetch_verified, open_shard
     from crowdtrain.runspec.tokens import CoordinatorKey
     from crowdtrain.runspec.trust import CoordinatorTrust, fingerprint, sign_answer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        shards = ensure_demo_shards(tmp / "shapes", num_train=args.num_train, cache=False)
-        shard = max(shards.glob("train-*.parquet"), key=lambda p: p.stat().st_size)
+        shards = tmp / "shards"
+        shards.mkdir()
+        rng = np.random.default_rng(0)
+        shard = shards / "train-00000.parquet"
+        write_shard(shard, {"caption": [f"a picture number {i} of a thing" for i in range(args.rows)],
+                            "code": [codes_to_bytes(rng.integers(0, 8192, 1024)) for _ in range(args.rows)],
+                            "original_width": [256] * args.rows, "original_height": [256] * args.rows,
+                            "NSFW": ["UNLIKELY"] * args.rows, "url": [""] * args.rows})
+        shard_bytes = shard.stat().st_size
         digest = hashlib.sha256(shard.read_bytes()).hexdigest()
         server = _serve(shards)
         url = f"http://127.0.0.1:{server.server_address[1]}/{shard.name}"
@@ -72,11 +103,11 @@ def main() -> None:
             CoordinatorTrust("https://bench", pin=fingerprint(key.public_key)).check(body, headers, "bench")
             times["join_info_signature"].append(time.perf_counter() - start)
         server.shutdown()
-    result = {"shard_bytes": shard.stat().st_size, "rows": rows, "repeats": args.repeats,
+    result = {"shard_bytes": shard_bytes, "rows": rows, "repeats": args.repeats,
               "seconds": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in times.items()},
               "ratio_verified_over_unverified": statistics.median(times["verified"]) / statistics.median(
                   times["unverified"])}
-    print(f"shard {result['shard_bytes'] / 2**20:.1f} MiB, {rows} rows, {args.repeats} repeats")
+    print(f"shard {result['shard_bytes'] / 2**20:.2f} MiB, {rows} rows, {args.repeats} repeats")
     print(f"{'':28}{'median s':>10}{'min':>10}{'max':>10}")
     for name, s in result["seconds"].items():
         print(f"{name:28}{s['median']:10.4f}{s['min']:10.4f}{s['max']:10.4f}")
