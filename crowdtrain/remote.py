@@ -104,26 +104,31 @@ def fetch_checkpoint(coordinator: str, *, which: str = "latest", cache_dir: str 
     folder = Path(cache_dir).expanduser() / "checkpoints" / f"{chosen['name']}-{digest[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
     for filename in wanted:
-        target = folder / filename
-        if target.is_file() and sha256_file(target) == expected[filename]:
-            continue
-        tmp = target.with_suffix(target.suffix + ".partial")
-        url = f"{base}/checkpoints/{urllib.parse.quote(chosen['name'])}/{filename}"
-        hasher = hashlib.sha256()
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as out:
-                while chunk := response.read(1 << 20):
-                    hasher.update(chunk)
-                    out.write(chunk)
-            check_file(f"{chosen['name']}/{filename}", hasher.hexdigest(), expected[filename], url)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise ValueError(f"downloading {url} failed: {e}; run it again") from e
-        except ValueError:
-            tmp.unlink(missing_ok=True)
-            raise
-        tmp.replace(target)
+        download_checked(f"{base}/checkpoints/{urllib.parse.quote(chosen['name'])}/{filename}", folder / filename,
+                         expected[filename], name=f"{chosen['name']}/{filename}", timeout_s=timeout_s)
     return folder
+
+
+def download_checked(url: str, target: Path, expected: str, *, name: str, timeout_s: float) -> Path:
+    """``url`` into ``target`` unless a file with the ``expected`` sha256 is there already; a
+    download with another hash is deleted and refused, naming ``name``."""
+    if target.is_file() and sha256_file(target) == expected:
+        return target
+    tmp, hasher = target.with_name(target.name + ".partial"), hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as out:
+            while chunk := response.read(1 << 20):
+                hasher.update(chunk)
+                out.write(chunk)
+        check_file(name, hasher.hexdigest(), expected, url)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"downloading {url} failed: {e}; run it again") from e
+    except ValueError:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(target)
+    return target
 
 
 def run_prompts(coordinator: str) -> list[str]:
@@ -156,25 +161,8 @@ def fetch_data(shards_url: str, *, pin: str | None = None, cache_dir: str | Path
     folder.mkdir(parents=True, exist_ok=True)
 
     def fetch(name: str) -> Path:
-        target = folder / name
-        if target.is_file() and sha256_file(target) == signed[name]:
-            return target
-        tmp, hasher = target.with_name(name + ".partial"), hashlib.sha256()
-        url = f"{shards_url}/{urllib.parse.quote(name)}"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as out:
-                while chunk := response.read(1 << 20):
-                    hasher.update(chunk)
-                    out.write(chunk)
-            check_file(name, hasher.hexdigest(), signed[name], url)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise ValueError(f"downloading {url} failed: {e}; run it again") from e
-        except ValueError:
-            tmp.unlink(missing_ok=True)
-            raise
-        tmp.replace(target)
-        return target
+        return download_checked(f"{shards_url}/{urllib.parse.quote(name)}", folder / name, signed[name], name=name,
+                                timeout_s=timeout_s)
 
     manifest = json.loads(fetch("shards.json").read_text())
     for name in signed:
