@@ -10,13 +10,18 @@ TORCH_PIN ?= torch==2.13.0
 # System packages: python3-venv (the virtual environment), chromium (the browser tests drive
 # Debian's chromium through Playwright), iproute2 (the testbed's namespaces and tc links),
 # postgresql (the database tests start a throw-away cluster of it; the coordinator needs none),
-# fonts-noto-color-emoji (the real pictures of `crowdtrain demo --data emoji` are drawn with it).
+# fonts-noto-color-emoji (the real pictures of `crowdtrain demo --data emoji` are drawn with it),
+# caddy (the tests put a coordinator behind it, as the guide's HTTPS deployment does), mitmproxy
+# (the tests' attacker on the path), openssh-client (ssh-keygen: the key fingerprint is ssh's).
 # Installed with apt when missing and run as root; otherwise stop with the command to run.
 SYSPKGS_MISSING = $(strip $(shell $(PY) -c "import ensurepip" 2>/dev/null || echo python3-venv) \
 	$(shell command -v chromium >/dev/null || echo chromium) \
 	$(shell command -v ip >/dev/null && command -v tc >/dev/null || echo iproute2) \
 	$(shell ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || echo postgresql) \
-	$(shell test -f /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf || echo fonts-noto-color-emoji))
+	$(shell test -f /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf || echo fonts-noto-color-emoji) \
+	$(shell command -v caddy >/dev/null || echo caddy) \
+	$(shell command -v mitmdump >/dev/null || echo mitmproxy) \
+	$(shell command -v ssh-keygen >/dev/null || echo openssh-client))
 
 sysdeps:
 ifneq ($(SYSPKGS_MISSING),)
