@@ -130,12 +130,19 @@ def run_plan(plan: RunPlan, out_dir: Path) -> dict:
         launch.wait_until(lambda: (run_dir / files.RUN_INFO).is_file(), plan.startup_timeout_s,
                   lambda: coordinator.poll() is not None, f"the coordinator did not start; see {out_dir}/logs")
         procs = {}
+        # The address is not loopback: without a pin, a volunteer would remember this run's key for
+        # it, and the next testbed run (a new key at the same address) would be refused.
+        from crowdtrain.runspec.tokens import CoordinatorKey
+        from crowdtrain.runspec.trust import fingerprint
+
+        pin = fingerprint(CoordinatorKey.load_or_create(run_dir / "coordinator_key.pem").public_key)
 
         def join(peer: PeerPlan):
             node = tb.nodes[peer.name]
             procs[peer.name] = tb.spawn(peer.name, launch.cli(*launch.join_args(
                 url, user=peer.name, batch_size=peer.batch_size, host=node.address, simulated_step_s=peer.step_s,
-                summary_file=out_dir / f"{peer.name}.json")), env=env, log=out_dir / "logs" / f"{peer.name}.log")
+                summary_file=out_dir / f"{peer.name}.json", extra=["--pin", pin])), env=env,
+                log=out_dir / "logs" / f"{peer.name}.log")
             events.append({"event": "join", "peer": peer.name, "unix": time.time()})
             logger.info("%s joined (%s, batch %d, %.1f s/step)", peer.name, peer.link, peer.batch_size, peer.step_s)
 
