@@ -212,11 +212,15 @@ def fetch_checkpoint_through_proxy(run, cache: Path) -> subprocess.CompletedProc
                           env=run.proxied_env)
 
 
-def test_a_checkpoint_file_changed_on_the_way_is_refused_and_an_untouched_one_is_cached_by_hash(run, tmp_path):
-    deadline = time.monotonic() + 300
+def wait_for_a_checkpoint(run, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
     while not [c for c in get_json(f"{run.url}/api/checkpoints") if not c.get("pruned")]:
-        assert time.monotonic() < deadline, "no checkpoint within 5 minutes:\n" + run.log("coordinator")[-2000:]
+        assert time.monotonic() < deadline, f"no checkpoint within {timeout} s:\n" + run.log("coordinator")[-2000:]
         time.sleep(2)
+
+
+def test_a_checkpoint_file_changed_on_the_way_is_refused_and_an_untouched_one_is_cached_by_hash(run, tmp_path):
+    wait_for_a_checkpoint(run)
     run.mitm.set_rules([{"path_suffix": "model.safetensors", "kind": "flip"}])
     refused = fetch_checkpoint_through_proxy(run, tmp_path / "a")
     assert refused.returncode != 0 and "model.safetensors" in refused.stderr, refused.stderr[-3000:]
@@ -286,6 +290,7 @@ def test_join_sends_no_api_key_over_plain_http_to_another_machine(tmp_path):
 def test_eval_checks_a_coordinators_held_out_shards_against_its_signed_manifest(run, tmp_path):
     """`crowdtrain eval` on a checkpoint whose run recorded the coordinator's /shards: the held-out
     shards are fetched whole and checked; one changed on the way stops it, naming the file."""
+    wait_for_a_checkpoint(run)
     fetched = fetch_checkpoint_through_proxy(run, tmp_path / "cache")
     assert fetched.returncode == 0, fetched.stderr[-3000:]
     checkpoint = fetched.stdout.strip().splitlines()[-1]

@@ -352,8 +352,16 @@ def _eval(args) -> int:
     if data.startswith(("http://", "https://")) and data.rstrip("/").endswith("/shards"):
         from crowdtrain.remote import fetch_data
 
+        from crowdtrain.runspec.trust import FileMismatch, UntrustedCoordinator
+
         # A coordinator's shards: its held-out splits, each file checked against its signed manifest.
-        local = fetch_data(data, pin=args.pin)
+        try:
+            local = fetch_data(data, pin=args.pin)
+        except (FileMismatch, UntrustedCoordinator):
+            raise
+        except ValueError as e:
+            raise ValueError(f"the held-out shards of {data} cannot be fetched ({e}); pass the run's shards with "
+                             "--data (a local shard folder made by `crowdtrain data prepare`)") from e
         print(f"held-out shards of {data}, checked against its coordinator's signed manifest, in {local}")
         data = str(local)
     results = evaluate_quality(args.checkpoint, data=data, max_rows=args.max_rows,
