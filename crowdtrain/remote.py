@@ -75,7 +75,6 @@ def fetch_checkpoint(coordinator: str, *, which: str = "latest", cache_dir: str 
     coordinator key's fingerprint (crowdtrain.runspec.trust); without it, the key this machine
     saw first at that address."""
     base = coordinator.rstrip("/")
-    signed = signed_manifest(base, CoordinatorTrust(base, pin=pin))
     entries = _checkpoints(base)
     if not entries:
         raise ValueError(f"{base} has no checkpoint yet: the run saves one every few epochs (see {base}/checkpoints); "
@@ -95,6 +94,9 @@ def fetch_checkpoint(coordinator: str, *, which: str = "latest", cache_dir: str 
     missing = [f for f in ("config.json", "model.safetensors") if f not in chosen["files"]]
     if missing:
         raise ValueError(f"checkpoint {chosen['name']} on {base} lacks {', '.join(missing)}")
+    # The manifest after the list: a checkpoint saved in between is then in both (the other way
+    # round, the newest one could be listed but not yet signed for).
+    signed = signed_manifest(base, CoordinatorTrust(base, pin=pin))
     wanted = [f for f in DRAW_FILES if f in chosen["files"]]
     expected = {f: signed.get(f"checkpoints/{chosen['name']}/{f}") for f in wanted}
     for filename, sha in expected.items():
