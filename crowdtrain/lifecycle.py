@@ -165,3 +165,99 @@ def on_signals(callback, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
     threading.Thread(target=pump, name="signals", daemon=True).start()
     for sig in signals:
         signal.signal(sig, handler)
+
+
+def exit_now(code: int) -> None:
+    """End this process at once, its forks (hivemind's DHT and averagers) first: for a process
+    whose clean exit waits on something that will never answer. Their p2p daemons get SIGTERM
+    from the kernel as their parent dies (``die_with_parent``) or SIGPIPE at their next line."""
+    import logging
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):
+            pass
+    logging.shutdown()  # what was logged reaches the file or terminal
+    os._exit(code)
+
+
+class Deadline:
+    """Ends the process (:func:`exit_now`) a bound after :meth:`start`, unless it has exited by
+    then: a clean leave waits on the network (the round under way, the last records), and a wait
+    on a child process that died or froze never ends. The first start's bound holds unless a
+    later one asks for a sooner end."""
+
+    def __init__(self, *, exit_code: int = 1, clock=None):
+        import time
+
+        self.exit_code, self.clock = exit_code, clock or time.monotonic
+        self._lock = threading.Lock()
+        self._until: float | None = None
+        self._wake = threading.Event()
+        self.why = ""
+
+    def start(self, why: str, bound_s: float) -> None:
+        with self._lock:
+            until = self.clock() + bound_s
+            if self._until is not None and self._until <= until:
+                return
+            first, self._until, self.why = self._until is None, until, why
+            self._wake.set()
+        if first:
+            threading.Thread(target=self._run, name="leave-deadline", daemon=True).start()
+
+    def _run(self) -> None:
+        import logging
+
+        while True:
+            with self._lock:
+                left = self._until - self.clock()
+                self._wake.clear()
+            if left <= 0:
+                break
+            self._wake.wait(left)
+        logging.getLogger(__name__).error("%s; still not gone at the bound: exiting now (what it waited on is "
+                                          "lost, e.g. its last records)", self.why)
+        exit_now(self.exit_code)
+
+
+class ChildWatch:
+    """Calls ``on_death(name, process)`` once if one of ``processes`` (multiprocessing children
+    this process depends on: hivemind's DHT, its averagers) is no longer alive, checked every
+    ``every_s`` in a daemon thread until :meth:`stop` (before they are shut down on purpose)."""
+
+    def __init__(self, processes: dict, on_death, *, every_s: float = 2.0):
+        self.processes, self.on_death, self.every_s = processes, on_death, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="child-watch", daemon=True)
+
+    def start(self) -> "ChildWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for name, process in self.processes.items():
+                if not process.is_alive() and not self._stop.is_set():
+                    self.on_death(name, process)
+                    return
+
+
+def how_it_ended(exitcode: int | None) -> str:
+    """A child's exit code in words, with what usually causes it."""
+    if exitcode is None:
+        return "it is gone"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        if exitcode == -signal.SIGKILL:
+            return f"killed by {name} (the kernel's OOM killer does this when memory runs out: `dmesg` says so)"
+        return f"killed by {name}"
+    return f"exited with code {exitcode}"

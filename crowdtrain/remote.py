@@ -41,10 +41,11 @@ def get_json(url: str, timeout_s: float = 30.0):
 def signed_manifest(base: str, trust: CoordinatorTrust, timeout_s: float = 30.0) -> dict[str, str]:
     """{path under ``base``: sha256} of the files the coordinator serves, checked against ``trust``."""
     url = f"{base}/api/manifest"
+    headers, nonce = trust.request_headers()
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
             body = response.read()
-            trust.check(body, response.headers, f"the answer of {url}")
+            trust.check(body, response.headers, f"the answer of {url}", nonce)
     except OSError as e:
         raise ValueError(f"cannot read {url}: {e}; check the coordinator's address and that it runs") from e
     files = json.loads(body).get("files")

@@ -50,11 +50,12 @@ class _DHT:
     def __init__(self, epochs=()):
         self.epochs = list(epochs)
 
-    def get(self, key, latest):
+    def get(self, key, latest, return_future=False):
         assert key == "run_progress" and latest
         records = {f"peer{i}": SimpleNamespace(value={"epoch": e, "samples_accumulated": 0})
                    for i, e in enumerate(self.epochs)}
-        return SimpleNamespace(value=records) if records else None
+        found = SimpleNamespace(value=records) if records else None
+        return SimpleNamespace(result=lambda timeout=None: found) if return_future else found
 
 
 def _optimizer(outcomes, global_epoch, give_up_s, swarm_epochs=()):
@@ -246,11 +247,11 @@ class _CatchingUpDHT(_DHT):
         super().__init__([6, 5])
         self.reads, self.catch_up_after = 0, catch_up_after
 
-    def get(self, key, latest):
+    def get(self, key, latest, return_future=False):
         self.reads += 1
         if self.catch_up_after is not None and self.reads > self.catch_up_after:
             self.epochs = [6, 6]
-        return super().get(key, latest)
+        return super().get(key, latest, return_future)
 
 
 @pytest.mark.parametrize("catch_up_after", [3, None])

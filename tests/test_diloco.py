@@ -363,7 +363,8 @@ def test_a_peer_whose_round_found_no_group_goes_on_at_once_and_downloads_nothing
             status_loglevel=logging.DEBUG, _consensus_check_at=None, lost_branch_wait_s=18.0,
             offer=SimpleNamespace(withdraw=lambda: None),
             averager=SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: b"me"), prefix="run_diloco",
-                                     dht=SimpleNamespace(get=lambda key, latest: SimpleNamespace(value=stored)),
+                                     dht=SimpleNamespace(get=lambda key, latest, return_future=False: SimpleNamespace(
+                                         result=lambda timeout=None: SimpleNamespace(value=stored))),
                                      load_state_from_peers=download),
             tracker=SimpleNamespace(global_epoch=5, pause_updates=contextlib.nullcontext,
                                     report_local_progress=lambda *a: None),

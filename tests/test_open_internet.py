@@ -70,6 +70,13 @@ def test_an_answer_changed_after_signing_or_unsigned_is_refused(tmp_path):
         trust.check(b'{"initial_peers": ["/ip4/10.6.6.6/tcp/1"]}', headers, "join info")
     with pytest.raises(UntrustedCoordinator, match="without the coordinator's signature"):
         trust.check(b"{}", Headers(), "join info")
+    # Fresh: signed for the request's nonce; an answer signed for another request (or none) is a replay.
+    body = b'{"initial_peers": []}'
+    _, nonce = trust.request_headers()
+    trust.check(body, Headers(sign_answer(key, body, nonce)), "join info", nonce)
+    for earlier in (CoordinatorTrust.request_headers()[1], None):
+        with pytest.raises(UntrustedCoordinator, match="not for this request"):
+            trust.check(body, Headers(sign_answer(key, body, earlier)), "join info", nonce)
     with pytest.raises(ValueError, match="--pin must be"):
         CoordinatorTrust("https://h", pin="deadbeef")
 
@@ -203,6 +210,24 @@ def test_join_information_changed_on_the_way_or_signed_by_another_key_is_refused
     assert run.procs["key-victim"].returncode == 2, log[-3000:]
     assert f"has key {fingerprint(attacker.public_key)}, not the pinned {run.pin}" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_an_earlier_answer_replayed_is_refused(run, tmp_path):
+    """An attacker on the path (here: holding a certificate the volunteer trusts) records the
+    coordinator's signed join information and later hands it back (older peers, an older wheel):
+    it is signed for another request's nonce, and refused."""
+    recorded = tmp_path / "recorded.json"
+    run.mitm.set_rules([{"path_suffix": "/api/join", "kind": "replay", "file": str(recorded)}])
+    code = ("from crowdtrain.runspec.trust import CoordinatorTrust; from crowdtrain.swarm.join_info import fetch_json; "
+            f"fetch_json({run.url + '/api/join'!r}, trust=CoordinatorTrust({run.url!r}, pin={run.pin!r}))")
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env=run.proxied_env)
+    assert first.returncode == 0 and recorded.is_file(), first.stderr[-3000:]
+    join_through_proxy(run, "replay-victim")
+    log = ended(run, "replay-victim", 120)
+    run.mitm.set_rules([])
+    assert run.procs["replay-victim"].returncode == 2, log[-3000:]
+    assert "is signed by the coordinator, but not for this request" in log, log[-3000:]
 
 
 def fetch_checkpoint_through_proxy(run, cache: Path) -> subprocess.CompletedProcess:

@@ -150,3 +150,101 @@ def test_diloco_books_its_round_at_the_last_inner_step_before_the_sync_point():
         "15 s inner steps: booked now, for the sync point"
     assert fake(eta_s=25.0, step_s=15)[0] == [], "the next inner step still starts before the sync point"
     assert fake(eta_s=12.0, step_s=1)[0] == [], "short steps: it books later, within the matchmaking time"
+
+
+class _Tracker:
+    """A progress tracker whose DHT holds ``records`` and whose epoch ends in ``eta_s``."""
+
+    def __init__(self, records: list[dict], eta_s: float):
+        from hivemind.utils.timed_storage import ValueWithExpiration
+
+        self.training_progress_key = "run_progress"
+        stored = {f"k{i}": ValueWithExpiration(r, get_dht_time() + 60) for i, r in enumerate(records)}
+        answer = ValueWithExpiration(stored, get_dht_time() + 60)
+        self.dht = SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: b"me"),
+                                   get=lambda key, latest=True, return_future=False: SimpleNamespace(
+                                       result=lambda timeout=None: answer) if return_future else answer)
+        self.refreshed = 0
+        self.estimated_next_update_time = get_dht_time() + 1000.0  # the background fetch has not run yet
+        self._eta_s = eta_s
+
+    def refresh(self):
+        self.refreshed += 1
+        self.estimated_next_update_time = get_dht_time() + self._eta_s
+
+
+def _record(peer: bytes, rate, epoch: int = 0) -> dict:
+    return {"peer_id": peer, "epoch": epoch, "samples_accumulated": 96, "samples_per_second": rate,
+            "time": get_dht_time(), "client_mode": False}
+
+
+def _newcomer(tracker: _Tracker):
+    """A SwarmOptimizer that has not stepped yet (only its start-up was timed), around a seam stub."""
+    from crowdtrain.swarm.optimizer import SwarmOptimizer
+
+    seam = SimpleNamespace(tracker=tracker, dht=tracker.dht, use_gradient_averaging=True,
+                           matchmaking_time=3.0, averaging_timeout=30.0, scheduled_grads=None,
+                           grad_averager=_GradAverager(), step_clock=StepClock())
+    seam.grad_averager.matchmaking_kwargs["min_matchmaking_time"] = 3.0
+    seam.step_clock.tick()
+    seam.book_gradient_round = lambda step_s: OptimizerSeam.book_gradient_round(seam, step_s)
+    opt = SwarmOptimizer.__new__(SwarmOptimizer)
+    opt.hivemind = seam
+    return opt, seam
+
+
+def test_a_newcomer_books_the_round_of_an_epoch_that_ends_within_its_first_step():
+    # Two peers at 8 samples/s; the epoch ends in 2.5 s; the newcomer's batch of 16 takes about 2 s
+    # at their speed. hivemind looked first when that step ended, after their round (booked for
+    # the epoch's end) had formed: the newcomer was left out, its samples thrown away. It books
+    # before the step now, for the moment they booked.
+    tracker = _Tracker([_record(b"a", 8.0), _record(b"b", 8.0), _record(b"me", 0.0)], eta_s=2.5)
+    opt, seam = _newcomer(tracker)
+    before = get_dht_time()
+    opt.book_first_round(batch_size=16)
+    assert tracker.refreshed == 1, "the swarm's progress is read now, not at the tracker's next fetch"
+    (scheduled_time, kwargs), = seam.grad_averager.booked
+    assert before + 2.9 < scheduled_time < get_dht_time() + 3.1, \
+        "booked for the epoch's end (no sooner than a matchmaking time from now)"
+    assert kwargs == {"timeout": 30.0}
+
+
+def test_a_newcomer_books_nothing_far_from_the_epochs_end_or_alone():
+    far = _Tracker([_record(b"a", 8.0), _record(b"b", 8.0)], eta_s=30.0)
+    opt, seam = _newcomer(far)
+    opt.book_first_round(batch_size=16)
+    assert seam.grad_averager.booked == [], "30 s away: its steps (about 2 s) look again in time"
+    # Nobody else reports a speed (the run's first volunteer, or records without one): the tracker
+    # would put the end of an epoch nobody trains at now; there is no round to book.
+    for records in ([], [_record(b"me", 9.0)], [_record(b"a", 0.0), _record(b"b", "fast"), _record(b"c", True)]):
+        alone = _Tracker(records, eta_s=0.5)
+        opt, seam = _newcomer(alone)
+        opt.book_first_round(batch_size=16)
+        assert seam.grad_averager.booked == [] and alone.refreshed == 0, records
+
+
+def test_a_newcomers_first_step_is_guessed_from_the_median_speed_of_the_others():
+    from crowdtrain.swarm.rounds import first_step_guess_s
+
+    records = [_record(b"a", 4.0), _record(b"b", 8.0), _record(b"c", 100.0), _record(b"me", 1.0)]
+    assert first_step_guess_s(records, me=b"me", batch_size=16) == 2.0, "16 samples at the median 8/s"
+    assert first_step_guess_s(None, me=b"me", batch_size=16) == 0.0, "the DHT did not answer"
+
+
+def test_a_diloco_newcomer_books_the_sync_point_within_its_first_inner_step():
+    from crowdtrain.runspec.swarm import SwarmConfig
+    from crowdtrain.swarm.diloco import DiLoCoOptimizer
+
+    booked = []
+    tracker = _Tracker([_record(b"a", 8.0), _record(b"b", 8.0)], eta_s=4.0)
+    clock = StepClock()
+    clock.tick()
+    opt = SimpleNamespace(
+        pending=None, scheduled=None, step_clock=clock, tracker=tracker,
+        config=SwarmConfig(mode="diloco", matchmaking_time_s=3.0, averaging_timeout_s=30.0),
+        _begin_matchmaking=lambda scheduled_time=None: booked.append(scheduled_time) or SimpleNamespace(
+            triggered=False, done=lambda: False))
+    opt._maybe_schedule_round = lambda step_s=None: DiLoCoOptimizer._maybe_schedule_round(opt, step_s)
+    before = get_dht_time()
+    DiLoCoOptimizer.book_first_round(opt, batch_size=16)
+    assert len(booked) == 1 and before + 3.9 < booked[0] < get_dht_time() + 4.1, booked

@@ -151,6 +151,45 @@ def test_a_fresh_volunteer_joins_and_is_credited(swarm, fresh, tmp_path):
     print(f"fresh volunteer: first step {seconds:.1f} s after `crowdtrain join`")
 
 
+def test_behind_caddy_the_coordinator_counts_each_client_by_its_own_address_whatever_it_claims(swarm):
+    """``--trusted-proxy 127.0.0.1``: the coordinator takes the client's address from Caddy's
+    X-Forwarded-For, so volunteers behind one proxy do not share one rate-limit budget, and a
+    client that sends its own X-Forwarded-For (Caddy replaces it for a client it does not trust)
+    cannot spread its token requests over addresses it makes up. The client connects from this
+    machine's network address, not loopback, to be told apart from the proxy."""
+    import http.client
+    import socket
+    import ssl
+
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True, text=True)
+    addresses = [line.split()[3].split("/")[0] for line in out.stdout.splitlines()]
+    assert addresses, f"this test needs a non-loopback IPv4 address on this machine: `ip addr` shows {out.stdout!r}"
+    port = int(swarm.url.rsplit(":", 1)[1])
+    context = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+
+    class FromAddress(http.client.HTTPSConnection):
+        def connect(self):  # to 127.0.0.1 (the certificate's name is localhost), from the network address
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(addresses[0], 0))
+            self.sock = context.wrap_socket(sock, server_hostname="localhost")
+
+    connection = FromAddress("localhost", port, context=context)
+    codes, detail = [], ""
+    budget = 120  # crowdtrain coordinator --token-requests-per-minute's default
+    for i in range(budget + 5):
+        connection.request("POST", "/api/token", body=json.dumps({"public_key": "not a key"}),
+                           headers={"Content-Type": "application/json", "X-Forwarded-For": f"203.0.113.{i % 250}"})
+        answer = connection.getresponse()
+        body = answer.read()
+        codes.append(answer.status)
+        if answer.status == 429:
+            detail = json.loads(body)["detail"]
+            break
+    connection.close()
+    assert codes[-1] == 429 and len(codes) == budget + 1, \
+        f"made-up X-Forwarded-For addresses spread the requests over several budgets: {codes}"
+    assert f"from {addresses[0]}" in detail, f"the coordinator did not see the client's own address: {detail!r}"
+
+
 def test_a_volunteer_of_another_protocol_stops_at_once_with_the_install_line(swarm, fresh, tmp_path):
     before = get_json(f"{swarm.url}/api/counters").get("joins_refused_protocol", 0)
     other = f"import sys, crowdtrain.release as r; r.PROTOCOL = {PROTOCOL + 1}; from crowdtrain.cli import main; " \

@@ -141,13 +141,26 @@ def response(flow):
             from cryptography.hazmat.primitives.asymmetric import padding
             key = serialization.load_pem_private_key(open(rule["key_pem"], "rb").read(), password=None)
             body = flow.response.content.replace(rule["old"].encode(), rule["new"].encode())
-            signature = key.sign(b"crowdtrain-answer-v1\n" + body,
+            nonce = flow.request.headers.get("X-Crowdtrain-Nonce", "")  # seen in the clear by this proxy
+            signature = key.sign(b"crowdtrain-answer-v2\n" + nonce.encode() + b"\n" + body,
                                  padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH),
                                  hashes.SHA256())
             flow.response.content = body
             flow.response.headers["X-Crowdtrain-Signature"] = base64.b64encode(signature).decode()
             flow.response.headers["X-Crowdtrain-Key"] = key.public_key().public_bytes(
                 serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+        elif rule["kind"] == "replay":  # the first answer recorded, every later one replaced by it
+            signed = ("X-Crowdtrain-Signature", "X-Crowdtrain-Key", "X-Crowdtrain-Nonce")
+            if not os.path.exists(rule["file"]):
+                with open(rule["file"], "w") as f:
+                    json.dump({"body": base64.b64encode(flow.response.content).decode(),
+                               "headers": {h: flow.response.headers.get(h, "") for h in signed}}, f)
+                continue
+            with open(rule["file"]) as f:
+                recorded = json.load(f)
+            flow.response.content = base64.b64decode(recorded["body"])
+            for h in signed:
+                flow.response.headers[h] = recorded["headers"][h]
         with open(RULES + ".hits", "a") as f:
             f.write(path + "\n")
 '''

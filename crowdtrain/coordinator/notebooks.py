@@ -38,7 +38,7 @@ def _notebook(cells: list[tuple[str, str]]) -> dict:
 # file. Which crowdtrain is installed is asked of a fresh interpreter: the kernel may hold another
 # one in memory.
 _INSTALL = '''
-import base64, hashlib, json, subprocess, sys, urllib.request
+import base64, hashlib, json, secrets, subprocess, sys, urllib.request
 
 try:
     from cryptography.hazmat.primitives import hashes, serialization
@@ -48,14 +48,16 @@ except ImportError:
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import padding
 
-answer = urllib.request.urlopen(COORDINATOR.rstrip("/") + "/api/version", timeout=60)
+nonce = secrets.token_hex(16)  # the answer must be signed for this request: no replay of an older one
+answer = urllib.request.urlopen(urllib.request.Request(COORDINATOR.rstrip("/") + "/api/version",
+                                                       headers={"X-Crowdtrain-Nonce": nonce}), timeout=60)
 body, key = answer.read(), answer.headers.get("X-Crowdtrain-Key") or ""
 seen = "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(key.split()[1] if key else "")).digest()
                                     ).decode().rstrip("=")
 if seen != PIN:
     raise SystemExit(f"the coordinator at {COORDINATOR} has key {seen}, not PIN {PIN}: not installing from it")
 serialization.load_ssh_public_key(key.encode()).verify(
-    base64.b64decode(answer.headers["X-Crowdtrain-Signature"]), b"crowdtrain-answer-v1\\n" + body,
+    base64.b64decode(answer.headers["X-Crowdtrain-Signature"]), b"crowdtrain-answer-v2\\n" + nonce.encode() + b"\\n" + body,
     padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH), hashes.SHA256())
 run = json.loads(body)
 subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",

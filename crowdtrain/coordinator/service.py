@@ -37,7 +37,7 @@ from crowdtrain.coordinator.status import CHECKPOINT_FILES, run_status
 from crowdtrain.data.sample_prompts import load_run_prompts
 from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name
 from crowdtrain.runspec.tokens import CoordinatorKey, check_token_request, peer_id_of_key
-from crowdtrain.runspec.trust import fingerprint, sign_answer
+from crowdtrain.runspec.trust import NONCE_HEADER, fingerprint, sign_answer
 
 MAX_BODY_BYTES = 64 * 1024
 
@@ -214,14 +214,15 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
                             served_shard=SERVED_SHARD_FILE,
                             text_tokenizer=Path(text_tokenizer) if text_tokenizer is not None else None)
 
-    def signed(data, status_code: int = 200) -> Response:
-        """``data`` as JSON, with the coordinator's signature of the exact bytes (volunteers act on it)."""
+    def signed(data, request: Request, status_code: int = 200) -> Response:
+        """``data`` as JSON, with the coordinator's signature of the exact bytes and the request's
+        nonce (volunteers act on it; crowdtrain.runspec.trust)."""
         try:
             body = json.dumps(data, allow_nan=False).encode()
         except ValueError:  # NaN or infinity in a broken run.json: null, which volunteers refuse by name
             body = json.dumps(_finite(data)).encode()
         return Response(body, status_code=status_code, media_type="application/json",
-                        headers=sign_answer(signing_key, body))
+                        headers=sign_answer(signing_key, body, request.headers.get(NONCE_HEADER)))
     limiter = RateLimiter(auth.requests_per_minute)
     # /docs from files this process serves (crowdtrain.coordinator.api_docs): FastAPI's own loads
     # them from a CDN, a blank page offline. No ReDoc, which would too.
@@ -262,15 +263,16 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
     @app.get("/api/version", summary="The crowdtrain this coordinator runs: version, protocol, and the line that "
                                      "installs it (its wheel, served here), and the fingerprint of the key "
                                      "that signs the run's answers")
-    def api_version() -> Response:
-        return signed(version_info)
+    def api_version(request: Request) -> Response:
+        return signed(version_info, request)
 
     @app.get("/api/manifest", summary="sha256 of every file served here (wheel, shards, tokenizer, checkpoints), "
                                       "signed like /api/join (X-Crowdtrain-Signature)")
-    def api_manifest() -> Response:
+    def api_manifest(request: Request) -> Response:
         live = [c["name"] for c in store.checkpoints() if not c.get("pruned") and isinstance(c.get("name"), str)]
         return signed({"fingerprint": key_fingerprint,
-                       "files": {**run_files, **checkpoint_files(hashes, checkpoint_dir, live, CHECKPOINT_FILES)}})
+                       "files": {**run_files, **checkpoint_files(hashes, checkpoint_dir, live, CHECKPOINT_FILES)}},
+                      request)
 
     def notebook(build, filename: str) -> Response:
         run_id = (_read_json(run_dir / "run.json") or {}).get("run_id")
@@ -316,10 +318,10 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
         if protocol is not None and protocol != release.PROTOCOL:
             store.bump("joins_refused_protocol")
             return signed({"detail": other_protocol_refusal(protocol, version, install), "install": install,
-                           "crowdtrain": version_info}, status_code=409)
+                           "crowdtrain": version_info}, request, status_code=409)
         info = join_info()
         if not isinstance(info, dict):
-            return signed(info)  # a broken run.json: volunteers refuse it, with the reason
+            return signed(info, request)  # a broken run.json: volunteers refuse it, with the reason
         info = dict(info)
         info["crowdtrain"] = {k: version_info[k] for k in ("version", "protocol", "install")}
         info["files"] = run_files
@@ -338,7 +340,7 @@ def create_app(run_dir: str | Path, *, store: Store, shards_dir: str | Path | No
                         store.bump("token_requests_rate_limited")
                         raise HTTPException(429, f"too many requests with unknown API keys from {client}; "
                                                  "wait a minute and retry")
-        return signed(info)
+        return signed(info, request)
 
     @app.post("/api/token", summary="An access token for this peer's key (send `Authorization: Bearer KEY` "
                                     "in allowlist runs)")

@@ -12,8 +12,9 @@ Tuning by symptom:
   all meet at that end. In the group, a peer still finishing its step keeps the others waiting,
   for at most ``next_chunk_timeout_s`` (a quarter of ``averaging_timeout_s``). What still splits
   a round: an estimate of the end that moves by more than the matchmaking time (peers joining
-  or leaving in the last step), a volunteer's first epoch (it has not timed its steps yet), or
-  steps longer than a quarter of ``averaging_timeout_s``. Raise ``matchmaking_time_s``, and
+  or leaving in the last step), a newcomer slower than the others (before its first step it books
+  on a guess: its batch at the other peers' median speed), or steps longer than a quarter of
+  ``averaging_timeout_s``. Raise ``matchmaking_time_s``, and
   ``averaging_timeout_s`` to at least four times the slowest volunteer's step.
 - Rounds that time out while data is still flowing: raise ``averaging_timeout_s`` to about twice
   the measured all-reduce time (slow uplinks need more).

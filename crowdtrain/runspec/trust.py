@@ -22,6 +22,10 @@ a file changed on the way is refused by name (:func:`check_file`). HTTPS keeps t
 the install line private and whole; the signatures keep the run whole even through a proxy that
 holds a certificate for the address.
 
+Answers are fresh: the volunteer sends a random nonce with each request (``X-Crowdtrain-Nonce``)
+and the coordinator signs it with the body, so an answer recorded earlier (an older join
+information, or a manifest naming an older wheel with a known hole) cannot be replayed to it.
+
 The fingerprint is ssh's: ``SHA256:`` and the unpadded base64 of the SHA-256 of the key's
 OpenSSH blob (``ssh-keygen -lf`` prints the same for the key's ``.pub`` form).
 """
@@ -35,6 +39,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import urllib.parse
 from pathlib import Path
 
@@ -46,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "X-Crowdtrain-Signature"
 KEY_HEADER = "X-Crowdtrain-Key"
+NONCE_HEADER = "X-Crowdtrain-Nonce"
+NONCE = re.compile(r"[0-9a-f]{16,64}")
 FINGERPRINT = re.compile(r"SHA256:[A-Za-z0-9+/]{43}")
 _PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
 
@@ -58,9 +65,16 @@ class FileMismatch(ValueError):
     """A fetched file is not the one the coordinator signed for."""
 
 
-def answer_payload(body: bytes) -> bytes:
-    """What the coordinator signs for an answer (a prefix keeps it from meaning anything else,
-    e.g. a token or a token request, which the same key signs)."""
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def answer_payload(body: bytes, nonce: str | None = None) -> bytes:
+    """What the coordinator signs for an answer: the body, and the request's nonce when it sent
+    one (a prefix keeps it from meaning anything else, e.g. a token or a token request, which the
+    same key signs; the two prefixes keep an answer with a nonce from passing for one without)."""
+    if nonce:
+        return b"crowdtrain-answer-v2\n" + nonce.encode() + b"\n" + body
     return b"crowdtrain-answer-v1\n" + body
 
 
@@ -84,18 +98,23 @@ def check_pin(pin: str) -> str:
     return pin
 
 
-def sign_answer(key, body: bytes) -> dict[str, str]:
-    """The headers that sign ``body`` with ``key`` (a ``crowdtrain.runspec.tokens.CoordinatorKey``)."""
-    return {SIGNATURE_HEADER: base64.b64encode(key.sign(answer_payload(body))).decode(),
-            KEY_HEADER: key.public_key.decode()}
+def sign_answer(key, body: bytes, nonce: str | None = None) -> dict[str, str]:
+    """The headers that sign ``body`` (and the request's ``nonce``, if it is one) with ``key``
+    (a ``crowdtrain.runspec.tokens.CoordinatorKey``)."""
+    nonce = nonce if nonce and NONCE.fullmatch(nonce) else None
+    headers = {SIGNATURE_HEADER: base64.b64encode(key.sign(answer_payload(body, nonce))).decode(),
+               KEY_HEADER: key.public_key.decode()}
+    if nonce:
+        headers[NONCE_HEADER] = nonce  # which request it answers (a replay is then told from a change)
+    return headers
 
 
-def verify_answer(public_key: bytes | str, body: bytes, signature: str) -> bool:
+def verify_answer(public_key: bytes | str, body: bytes, signature: str, nonce: str | None = None) -> bool:
     from crowdtrain.runspec.tokens import load_public_key
 
     key = public_key.encode() if isinstance(public_key, str) else public_key
     try:
-        load_public_key(key).verify(base64.b64decode(signature, validate=True), answer_payload(body), _PADDING,
+        load_public_key(key).verify(base64.b64decode(signature, validate=True), answer_payload(body, nonce), _PADDING,
                                     hashes.SHA256())
         return True
     except (ValueError, exceptions.InvalidSignature):
@@ -150,7 +169,9 @@ class CoordinatorTrust:
         self.key: str | None = None  # the trusted key, once an answer showed it
         self.fingerprint: str | None = None
 
-    def check(self, body: bytes, headers, what: str) -> None:
+    def check(self, body: bytes, headers, what: str, nonce: str | None = None) -> None:
+        """``nonce``: the one sent with the request (:meth:`request_headers`); the answer must be
+        signed for it."""
         key, signature = headers.get(KEY_HEADER), headers.get(SIGNATURE_HEADER)
         if not key or not signature:
             raise UntrustedCoordinator(
@@ -162,9 +183,22 @@ class CoordinatorTrust:
         elif key != self.key:
             raise UntrustedCoordinator(f"{what} is signed by another key ({fingerprint(key)}) than the coordinator's "
                                        f"earlier answers ({self.fingerprint}); not using it")
-        if not verify_answer(key, body, signature):
-            raise UntrustedCoordinator(f"{what} does not match the coordinator's signature: it was changed on the way "
-                                       "(a proxy or an attacker on the network path); not using it")
+        if verify_answer(key, body, signature, nonce):
+            return
+        answered = headers.get(NONCE_HEADER) or None
+        if nonce and answered != nonce and verify_answer(key, body, signature, answered):
+            raise UntrustedCoordinator(
+                f"{what} is signed by the coordinator, but not for this request: it is an answer recorded earlier "
+                "and replayed (an attacker on the network path), or the coordinator runs an older crowdtrain "
+                "(ask the organizer to update it); not using it")
+        raise UntrustedCoordinator(f"{what} does not match the coordinator's signature: it was changed on the way "
+                                   "(a proxy or an attacker on the network path); not using it")
+
+    @staticmethod
+    def request_headers() -> tuple[dict[str, str], str]:
+        """Headers for a request whose answer will be checked, and the nonce to check it with."""
+        nonce = new_nonce()
+        return {NONCE_HEADER: nonce}, nonce
 
     def _trust(self, key: str) -> None:
         seen = fingerprint(key)

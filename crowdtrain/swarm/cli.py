@@ -40,6 +40,9 @@ def register(subparsers) -> None:
                         "(with --key, the key's user is used)")
     p.add_argument("--identity", default=None,
                    help="file of this peer's private key (made if missing); default: a fresh one per process")
+    p.add_argument("--leave-within", type=float, default=90.0, metavar="SECONDS",
+                   help="after Ctrl-C or SIGTERM, leave cleanly but exit within this many seconds whatever this "
+                        "peer waits on (default 90, systemd's stop timeout; under `docker stop`, below its 10 s)")
     p.add_argument("--simulated-step-s", type=float, default=0.0,
                    help="pad each step's computation (not its waiting for peers) to at least this many seconds "
                         "(emulates a slower device)")
@@ -94,7 +97,7 @@ def _join(args) -> int:
         user=args.user, api_key=args.key or os.environ.get("CROWDTRAIN_KEY"), identity=args.identity,
         simulated_step_s=args.simulated_step_s, torch_threads=args.threads,
         data_outage_patience_s=args.data_outage_patience_s, shuffle_buffer=args.shuffle_buffer,
-        summary_file=args.summary_file, save_final=args.save_final,
+        summary_file=args.summary_file, save_final=args.save_final, leave_within_s=args.leave_within,
         model_overrides=parse_overrides(args.model, flag="--model"), fault=args.inject_fault, verbose=args.verbose)
     base = config.coordinator_url.rstrip("/")
     trust = CoordinatorTrust(base, pin=config.pin)
@@ -105,5 +108,5 @@ def _join(args) -> int:
     from crowdtrain.swarm.peer import run_volunteer
 
     forks_die_with_this_process()  # hivemind's DHT and averager processes end with this one
-    run_volunteer(config, info=info, trust=trust)
-    return 0
+    summary = run_volunteer(config, info=info, trust=trust)
+    return 1 if summary.get("process_died") else 0  # a failure, for the supervisor that restarts it

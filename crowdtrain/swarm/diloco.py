@@ -64,12 +64,13 @@ from crowdtrain.swarm.compression import PaperCompression
 from crowdtrain.runspec.swarm import SwarmConfig
 from crowdtrain.swarm.hivemind_seam.averaging import RobustAveragerMixin
 from crowdtrain.swarm.hivemind_seam.optimizer import SuspectAwareProgressTracker
-from crowdtrain.swarm.hivemind_seam.records import state_offers_key
+from crowdtrain.swarm.hivemind_seam.records import read_latest, state_offers_key
 from crowdtrain.swarm.hivemind_seam.state import StateUploadLimit
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import SuspectPeers, make_aggregator
 from crowdtrain.swarm.rounds import (LeftOutWatch, LonelyRoundCheck, RoundLog, RoundSummary, StateOffer, StepClock,
-                                     gradient_round_lookahead_s, release_scheduled, swarm_epoch_now, tag_along)
+                                     gradient_round_lookahead_s, refresh_for_first_round, release_scheduled,
+                                     swarm_epoch_now, tag_along)
 
 logger = logging.getLogger(__name__)
 
@@ -508,14 +509,22 @@ class DiLoCoOptimizer:
         return (not control.done() and not control.triggered and control.stage == AveragingStage.LOOKING_FOR_GROUP
                 and control.deadline - get_dht_time() < self.config.averaging_timeout_s / 2)
 
-    def _maybe_schedule_round(self) -> None:
+    def book_first_round(self, batch_size: int) -> None:
+        if self.pending is None:
+            guess_s = refresh_for_first_round(self.tracker, me=self.tracker.dht.peer_id.to_bytes(),
+                                              batch_size=batch_size)
+            if guess_s > 0:
+                self._maybe_schedule_round(step_s=max(guess_s, self.step_clock.step_s))
+
+    def _maybe_schedule_round(self, step_s: float | None = None) -> None:
         """Start matchmaking before the swarm reaches the sync point, so it overlaps compute: at the
         last inner step that starts before it (``gradient_round_lookahead_s``), for a round at the
-        sync point's estimate, so that peers whose steps end at different moments meet in one group."""
+        sync point's estimate, so that peers whose steps end at different moments meet in one group.
+        ``step_s``: how long this peer's steps take (default: as its step clock measured them)."""
         now = get_dht_time()
         eta_s = self.tracker.estimated_next_update_time - now
         if eta_s > gradient_round_lookahead_s(matchmaking_time=self.config.matchmaking_time_s,
-                                              step_s=self.step_clock.step_s,
+                                              step_s=self.step_clock.step_s if step_s is None else step_s,
                                               averaging_timeout=self.config.averaging_timeout_s):
             return
         if self.scheduled is None or self.scheduled.triggered or self.scheduled.done():
@@ -758,7 +767,7 @@ class DiLoCoOptimizer:
         """Peer ID -> the state priority it offers now (None: it withdrew its offer); None if the
         DHT does not answer (a busy DHT: the round's own timeouts still apply)."""
         try:
-            found = self.averager.dht.get(state_offers_key(self.averager.prefix), latest=True)
+            found = read_latest(self.averager.dht, state_offers_key(self.averager.prefix))
         except Exception as e:
             logger.debug("could not read the swarm's states: %r", e)
             return None

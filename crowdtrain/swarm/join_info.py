@@ -252,6 +252,10 @@ def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, 
 
         check_key_transport(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    nonce = None
+    if trust is not None:
+        fresh, nonce = trust.request_headers()
+        headers.update(fresh)
     where = urllib.parse.urlsplit(url)
     address = f"{where.hostname}:{where.port or (443 if where.scheme == 'https' else 80)}"
     first = True
@@ -260,13 +264,13 @@ def fetch_json(url: str, *, timeout_s: float = 15.0, patience_s: float = 120.0, 
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
                 body = response.read()
                 if trust is not None:
-                    trust.check(body, response.headers, f"the answer of {url}")
+                    trust.check(body, response.headers, f"the answer of {url}", nonce)
                 return json.loads(body)
         except urllib.error.HTTPError as e:
             if e.code < 500:
                 body = e.read()
                 if trust is not None and e.code == 409:
-                    trust.check(body, e.headers, f"the answer of {url}")
+                    trust.check(body, e.headers, f"the answer of {url}", nonce)
                 raise ValueError(f"{url} answered {e.code}: {_detail(body)}") from e
             last = e  # 503 while the run starts: retry
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:

@@ -32,7 +32,8 @@ from crowdtrain.swarm.hivemind_seam.optimizer import OptimizerSeam, RoundHooks
 from crowdtrain.swarm.lamb import make_lamb
 from crowdtrain.swarm.robust import make_aggregator
 from crowdtrain.swarm.rounds import (LeftOutWatch, LonelyRoundCheck, RoundLog, RoundSummary, StateOffer,
-                                     nobody_else, peers_behind, release_scheduled, swarm_epoch_now)
+                                     nobody_else, peers_behind, refresh_for_first_round, release_scheduled,
+                                     swarm_epoch_now)
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +203,13 @@ class SwarmOptimizer(RoundHooks):
 
     def zero_grad(self, **kwargs) -> None:
         self.hivemind.zero_grad(**kwargs)
+
+    def book_first_round(self, batch_size: int) -> None:
+        if not self.use_gradient_averaging:
+            return
+        guess_s = refresh_for_first_round(self.tracker, me=self.dht.peer_id.to_bytes(), batch_size=batch_size)
+        if guess_s > 0:
+            self.hivemind.book_gradient_round(max(guess_s, self.hivemind.step_clock.step_s))
 
     def averaging_stats(self) -> dict:
         return self.hivemind.averaging_stats()

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from crowdtrain.lifecycle import on_signals
+from crowdtrain.lifecycle import ChildWatch, Deadline, how_it_ended, on_signals
 from crowdtrain.optim.loss_scale import LossScale
 from crowdtrain.swarm.rounds import RoundSummary
 from crowdtrain.swarm.volunteer_config import VolunteerConfig
@@ -98,10 +98,12 @@ def children_ignore_sigint():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _leave_on_signals(event: threading.Event) -> None:
-    """SIGINT, SIGTERM and SIGHUP set ``event``: the loop finishes its step and leaves cleanly;
-    Ctrl-C again quits at once. Only the main thread can take signals: elsewhere (tests call
-    run_volunteer in a thread) the caller's own ``stop`` event is the way to stop."""
+def _leave_on_signals(event: threading.Event, deadline, leave_within_s: float) -> None:
+    """SIGINT, SIGTERM and SIGHUP set ``event``: the loop finishes its step and leaves cleanly,
+    within ``leave_within_s`` (``deadline``, a ``crowdtrain.lifecycle.Deadline``, ends the process
+    then, whatever it waits on); Ctrl-C again quits at once. Only the main thread can take
+    signals: elsewhere (tests call run_volunteer in a thread) the caller's own ``stop`` event is
+    the way to stop."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -109,6 +111,8 @@ def _leave_on_signals(event: threading.Event) -> None:
         if not event.is_set():
             logger.info("leaving the swarm after this step (press Ctrl-C again to quit at once)")
             event.set()
+        deadline.start(f"asked to leave ({signal.Signals(signum).name}) {leave_within_s:g} s ago "
+                       "(join --leave-within)", leave_within_s)
 
     on_signals(leave, ctrl_c_again_quits=True)
 
@@ -235,10 +239,27 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
         threads.leave()
         _abandon_start_up(dht, access, threads_before)
         raise
+    deadline = Deadline() if stop is None else None  # a process of its own: it may end itself
     if stop is None:
         # After the optimizer exists: hivemind's averagers set SIGINT to SIG_IGN in this process
         # when they start (and never restore it), which would make Ctrl-C do nothing.
-        _leave_on_signals(stop_event)
+        _leave_on_signals(stop_event, deadline, config.leave_within_s)
+
+    def child_died(name: str, process) -> None:
+        # Every DHT read and every round goes through these processes: without one this peer can
+        # neither train nor leave cleanly (a goodbye needs the DHT).
+        reason = (f"this volunteer's {name} process (pid {process.pid}) has stopped: {how_it_ended(process.exitcode)}"
+                  "; this peer cannot train without it and leaves. Join again; if memory ran out, a smaller "
+                  "--batch-size")
+        logger.error("%s", reason)
+        summary_extra["stopped_because"], summary_extra["process_died"] = reason, name
+        stop_event.set()
+        if deadline is not None:
+            deadline.start(reason, CHILD_DEATH_LEAVE_S)
+
+    children = {"DHT": dht, **_averager_processes(optimizer)}
+    logger.info("processes: %s", ", ".join(f"{name} pid {p.pid}" for name, p in children.items()))
+    child_watch = ChildWatch(children, child_died).start()
     summary = {"peer_id": peer_id, "user": user, "config": asdict(config), "fingerprint": info["fingerprint"],
                "maddrs": maddrs,
                "epochs": [], "rounds": []}
@@ -275,6 +296,7 @@ def run_volunteer(config: VolunteerConfig, stop: threading.Event | None = None, 
         summary_extra["stopped_because"] = reason
         raise ValueError(reason) from e
     finally:
+        child_watch.stop()
         threads.leave()
         drop_exit_noise()
         # Finish the delayed optimizer step (local work), so what is saved is the state the swarm
@@ -423,6 +445,25 @@ def _abandon_start_up(dht, access: "_Access", threads_before: set) -> None:
         _bounded(dht.shutdown, 15, "stopping the DHT")
 
 
+# How long a volunteer whose DHT or averager process died goes on leaving: the steps that need
+# the network fail or wait on their own bounds; what is local (the summary) takes a moment.
+CHILD_DEATH_LEAVE_S = 20.0
+
+
+def _averager_processes(optimizer) -> dict:
+    """The trainer's averagers that run as processes of their own (by role), each once."""
+    import multiprocessing
+
+    found, seen = {}, set()
+    for attr, name in (("grad_averager", "gradient averager"), ("averager", "averager"),
+                       ("state_averager", "state averager")):
+        process = getattr(optimizer, attr, None)
+        if isinstance(process, multiprocessing.Process) and id(process) not in seen and process.is_alive():
+            found[name] = process
+            seen.add(id(process))
+    return found
+
+
 def _bounded(fn, timeout_s: float, what: str) -> None:
     """Run ``fn`` but give up waiting after ``timeout_s``: leaving must never hang."""
     thread = threading.Thread(target=fn, daemon=True)
@@ -496,6 +537,8 @@ def _train_loop(task, model, optimizer, dht, signer, endorsement, swarm, config,
             threads.rebalance()  # volunteers that joined or left this machine move its share of the cores
         t_step = time.perf_counter()
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        if steps == dropped == 0:
+            optimizer.book_first_round(config.batch_size)  # hivemind looks at the clock after a step only
         with autocast_context(device, config.precision):
             loss = task.loss(model, batch)
         if (config.fault or "").startswith("nan-every=") and (steps + dropped + 1) % int(config.fault[10:]) == 0:

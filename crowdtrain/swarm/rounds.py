@@ -28,7 +28,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from hivemind.averaging.control import AveragingStage
 
-from crowdtrain.swarm.hivemind_seam.records import progress_records, state_offers_key
+from crowdtrain.swarm.hivemind_seam.records import progress_records, read_latest, state_offers_key
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,10 @@ class Trainer(Protocol):
     @property
     def local_epoch(self) -> int: ...
 
+    def book_first_round(self, batch_size: int) -> None:
+        """Before this peer's first step: book the epoch's round now if the epoch ends within a
+        guess of that step plus the matchmaking time (:func:`refresh_for_first_round`)."""
+
     def step(self) -> None:
         """After ``backward()``: this batch counts toward the swarm's; at the target, a round."""
 
@@ -236,8 +240,8 @@ def swarm_at_start(tracker, state_averager) -> bool:
     epoch is on offer (the coordinator's auxiliary peer offers the last checkpoint's); False when
     in doubt (the DHT does not answer)."""
     try:
-        progress = tracker.dht.get(tracker.training_progress_key, latest=True)
-        offers = state_averager.dht.get(state_offers_key(state_averager.prefix), latest=True)
+        progress = read_latest(tracker.dht, tracker.training_progress_key)
+        offers = read_latest(state_averager.dht, state_offers_key(state_averager.prefix))
     except Exception as e:
         logger.debug("could not read the swarm's progress: %r", e)
         return False
@@ -285,6 +289,34 @@ def gradient_round_lookahead_s(*, matchmaking_time: float, step_s: float, averag
     start within it, and DiLoCo mode starts a fresh search where less than half of it is left at
     the sync point."""
     return min(matchmaking_time + step_s, averaging_timeout / 3)
+
+
+def first_step_guess_s(records: list[dict] | None, *, me: bytes, batch_size: int) -> float:
+    """How long a newcomer's first step may take, before it has timed one: its batch at the median
+    speed the other peers report (0.0 when none reports a speed). Volunteers of one run are alike
+    more often than not; one slower than the guess joins the booked round late, and its groupmates
+    wait for its part up to the next-chunk timeout (``crowdtrain.runspec.swarm``)."""
+    rates = [r.get("samples_per_second") for r in records or [] if r.get("peer_id", b"") != me]
+    rates = [float(x) for x in rates if isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0]
+    return batch_size / statistics.median(rates) if rates else 0.0
+
+
+def refresh_for_first_round(tracker, *, me: bytes, batch_size: int) -> float:
+    """Before a newcomer's first step: read the swarm's progress now (the tracker's background
+    fetch may not have run since the join) and return :func:`first_step_guess_s`. hivemind looks
+    at the clock only after a step, so a peer that joined late in an epoch looked first when its
+    first step ended, after the others' round had formed: it was left out of the round it had
+    computed for (its samples thrown away, the state downloaded), and the round was one short.
+    0.0 when no other peer reports a speed: nobody is training, there is no round to book (the
+    tracker, having seen nobody, would put the epoch's end at once)."""
+    records = progress_records(tracker)
+    guess_s = first_step_guess_s(records, me=me, batch_size=batch_size)
+    if guess_s > 0:
+        try:
+            tracker.refresh()
+        except Exception as e:  # the DHT is busy: the tracker's own view stands
+            logger.debug("could not refresh the swarm's progress: %r", e)
+    return guess_s
 
 
 async def _probe_peers(dht, node, peer_ids: list[bytes]) -> dict[bytes, str | None]:

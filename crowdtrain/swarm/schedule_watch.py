@@ -132,13 +132,17 @@ class ScheduleWatch:
 
     def _get(self, path: str):
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        nonce = None
+        if self.trust is not None and path == "/api/join":
+            fresh, nonce = self.trust.request_headers()
+            headers.update(fresh)
         with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=headers),
                                     timeout=self.timeout_s) as response:
             body = response.read()
             # The join information is acted on (the schedule): signed. The status (has the final
             # model been saved?) only decides when to leave: the coordinator does not sign it.
             if self.trust is not None and path == "/api/join":
-                self.trust.check(body, response.headers, f"the answer of {self.url}{path}")
+                self.trust.check(body, response.headers, f"the answer of {self.url}{path}", nonce)
             return json.loads(body)
 
     def poll_once(self) -> bool:

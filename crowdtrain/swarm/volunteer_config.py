@@ -44,6 +44,11 @@ class VolunteerConfig:
     data_outage_patience_s: float = 600.0
     # Rows of the stream held to shuffle it (crowdtrain.data.config.StreamConfig.shuffle_buffer).
     shuffle_buffer: int = 2048
+    # After Ctrl-C, SIGTERM or SIGHUP this peer leaves cleanly (finishes its step and round, says
+    # goodbye) but exits within this many seconds whatever it waits on. 90 s: systemd's stop
+    # timeout; a round's averaging timeout plus the goodbye fit in it. Lower it under `docker stop`
+    # (10 s by default, then SIGKILL) to leave through this path rather than be killed.
+    leave_within_s: float = 90.0
     verbose: bool = False
 
     def __post_init__(self):
@@ -65,6 +70,8 @@ class VolunteerConfig:
             raise ValueError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if not self.data_outage_patience_s >= 0:
             raise ValueError(f"--data-outage-patience-s must be >= 0 seconds, got {self.data_outage_patience_s}")
+        if not self.leave_within_s > 0:
+            raise ValueError(f"--leave-within must be > 0 seconds, got {self.leave_within_s}")
         if not (type(self.shuffle_buffer) is int and self.shuffle_buffer >= 1):
             raise ValueError(f"--shuffle-buffer must be an integer >= 1 (1: no shuffling), got {self.shuffle_buffer!r}")
         from crowdtrain.runspec.names import USER_NAME_RULE, valid_user_name

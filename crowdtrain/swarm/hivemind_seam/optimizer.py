@@ -19,6 +19,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from crowdtrain.swarm.hivemind_seam.records import read_latest
 from crowdtrain.swarm.robust import Aggregator, MeanAggregator, SuspectPeers
 from crowdtrain.swarm.rounds import StepClock, gradient_round_lookahead_s
 
@@ -49,7 +50,7 @@ class SuspectAwareProgressTracker(ProgressTracker):
         other peer was seen, is a refresh period away). ``paused``: the caller holds the tracker
         paused (``pause_updates``), whose lock this would otherwise wait for. Raises what the DHT
         raises."""
-        found = self.dht.get(self.training_progress_key, latest=True)
+        found = read_latest(self.dht, self.training_progress_key)
         progress = self._parse_swarm_progress_data(found.value if isinstance(found, ValueWithExpiration) else None)
         if paused:
             self.global_progress = progress
@@ -167,10 +168,16 @@ class OptimizerSeam(hivemind.Optimizer):
         (hivemind computes that time but schedules at ``min_matchmaking_time`` from now): every
         peer that booked then meets in one group at the same moment, whenever its own step ends."""
         self.step_clock.tick()
+        self.book_gradient_round(self.step_clock.step_s)
+
+    def book_gradient_round(self, step_s: float) -> None:
+        """Book the round if this epoch ends within ``step_s`` plus the matchmaking time (the
+        booking :meth:`_maybe_schedule_gradient_averaging` makes after each step; a newcomer
+        calls it before its first, with a guess of its step, ``crowdtrain.swarm.rounds.refresh_for_first_round``)."""
         now = get_dht_time()
         eta_s = self.tracker.estimated_next_update_time - now
         lookahead_s = gradient_round_lookahead_s(matchmaking_time=self.matchmaking_time,
-                                                 step_s=self.step_clock.step_s, averaging_timeout=self.averaging_timeout)
+                                                 step_s=step_s, averaging_timeout=self.averaging_timeout)
         if eta_s > lookahead_s:
             return
         if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
