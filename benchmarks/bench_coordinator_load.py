@@ -391,9 +391,26 @@ def summary(times: list[float], errors: dict[str, int], elapsed: float) -> dict:
 
 
 # ---- one database, end to end ------------------------------------------------------------------------
+# ``--generator-cpus``: the CPUs the load generator and the feeder run on; the coordinator gets
+# the others, so its latency is its own and not the generator's (Linux only).
+GENERATOR_CPUS: set[int] = set()
+
+
 def child(role: str, *args: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if GENERATOR_CPUS:
+        mine = GENERATOR_CPUS if role in ("load", "ingest") else set(os.sched_getaffinity(0)) - GENERATOR_CPUS
+        popen["preexec_fn"] = lambda: os.sched_setaffinity(0, mine)
     return subprocess.Popen([sys.executable, __file__, "--role", role, *args], env=env, **popen)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """``0-3,8`` -> {0, 1, 2, 3, 8}."""
+    cpus = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def cpu_s(pid: int) -> float:
@@ -524,6 +541,8 @@ def main(argv=None) -> int:
     p.add_argument("--keys", type=int, default=64, help="peer identities the volunteers sign with")
     p.add_argument("--work", default="runs/bench-coordinator-load")
     p.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/...<timestamp>.json)")
+    p.add_argument("--generator-cpus", default="", help="CPUs for the load generator and feeder, e.g. 12-15; "
+                                                        "the coordinator runs on the others (default: shared)")
     # The child processes (the script runs itself).
     p.add_argument("--role", choices=("serve", "ingest", "load"), help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -534,6 +553,7 @@ def main(argv=None) -> int:
     p.add_argument("--base", help=argparse.SUPPRESS)
     p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    GENERATOR_CPUS.update(parse_cpus(args.generator_cpus))
     work = Path(args.work).resolve()
     if args.role == "serve":
         serve(Path(args.run_dir), args.url, args.port, args.requests_per_minute)

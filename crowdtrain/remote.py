@@ -23,7 +23,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from crowdtrain.runspec.trust import CoordinatorTrust, check_file, sha256_file
+from crowdtrain.runspec.trust import CoordinatorTrust, check_file, fetch_checked, sha256_file
 
 # What a checkpoint needs to draw (crowdtrain.checkpoint's layout); the optimizer state is not.
 DRAW_FILES = ("config.json", "model.safetensors", "text_tokenizer.json", "image_tokenizer.safetensors")
@@ -117,13 +117,10 @@ def download_checked(url: str, target: Path, expected: str, *, name: str, timeou
     download with another hash is deleted and refused, naming ``name``."""
     if target.is_file() and sha256_file(target) == expected:
         return target
-    tmp, hasher = target.with_name(target.name + ".partial"), hashlib.sha256()
+    tmp = target.with_name(target.name + ".partial")
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response, open(tmp, "wb") as out:
-            while chunk := response.read(1 << 20):
-                hasher.update(chunk)
-                out.write(chunk)
-        check_file(name, hasher.hexdigest(), expected, url)
+        with open(tmp, "wb") as out:
+            fetch_checked(url, expected, out, timeout_s=timeout_s, name=name)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise ValueError(f"downloading {url} failed: {e}; run it again") from e

@@ -496,6 +496,29 @@ def test_a_partial_round_waits_for_a_whole_average_only_when_one_can_exist(absen
         assert published == [], "a partial average is not reported as a finished round"
 
 
+def test_a_leaving_peer_whose_round_finds_no_group_stops_waiting_after_two_matchmaking_times():
+    # Ctrl-C during a round that will fail ("could not find a group" after the averaging
+    # timeout): the leave waited that long, then for the last step and records (seen: a minute).
+    cancelled = []
+    control = SimpleNamespace(stage=AveragingStage.LOOKING_FOR_GROUP, done=lambda: bool(cancelled),
+                              cancel=lambda: cancelled.append(True))
+    leaving = threading.Event()
+    opt = SimpleNamespace(averaging_timeout=30.0, matchmaking_time=0.5, _others_finished=lambda epoch: False,
+                          _nobody_else=lambda: False, leaving=leaving)
+    opt.averaging_timeout = 2.0
+    started = time.monotonic()
+    assert SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4) == (None, False, False)
+    assert time.monotonic() - started >= 1.9 and cancelled == [], "not leaving: it waits for a group"
+    leaving.set()
+    opt.averaging_timeout = 30.0
+    started = time.monotonic()
+    assert SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4) == (None, False, False)
+    assert 1.0 <= time.monotonic() - started < 3.0 and cancelled == [True], "two matchmaking times, then cancelled"
+    # A round already exchanging tensors is finished, leaving or not.
+    control = SimpleNamespace(stage=AveragingStage.RUNNING_ALLREDUCE, done=lambda: False)
+    assert SwarmOptimizer._wait_for_allreduce_start(opt, control, epoch=4)[0] is not None
+
+
 def test_a_peer_whose_groupmates_all_left_steps_alone_at_once_and_is_credited():
     # The others were Ctrl-C'd a step before their trigger and left (a clean leave erases the
     # progress record): nobody can join this round. Seen: the last peer waited out the averaging

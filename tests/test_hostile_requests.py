@@ -282,3 +282,23 @@ def test_secrets_stay_in_files_only_their_owner_reads_and_out_of_command_lines(t
     join_lines = [line for line in out.splitlines() if "crowdtrain join" in line]
     assert join_lines and all(key not in line and "--key" not in line for line in join_lines), out
     assert "CROWDTRAIN_KEY" in out
+
+
+def test_the_join_information_is_read_again_only_when_the_run_replaces_it(tmp_path, monkeypatch):
+    # /api/join serves run.json to every volunteer's schedule poll: parsed once per change.
+    from crowdtrain.coordinator import service
+    from crowdtrain.runspec.files import write_json_atomic
+
+    reads = []
+    real = service._read_json
+    monkeypatch.setattr(service, "_read_json", lambda path: reads.append(path) or real(path))
+    path = tmp_path / "run.json"
+    cached = service.JsonFile(path)
+    assert cached.read() is None and reads == [], "no file yet: nothing read"
+    write_json_atomic(path, {"run_id": "a", "total_epochs": 10})
+    assert [cached.read() for _ in range(50)] == [{"run_id": "a", "total_epochs": 10}] * 50
+    assert len(reads) == 1
+    write_json_atomic(path, {"run_id": "a", "total_epochs": 20})  # the organizer extended the run
+    assert cached.read() == {"run_id": "a", "total_epochs": 20} and len(reads) == 2
+    path.write_text("{not json")
+    assert cached.read() is None, "a broken file reads as none, as before"

@@ -97,10 +97,11 @@ def test_a_storm_of_signals_stops_a_process_waiting_on_the_event_it_sets_without
 
 VOLUNTEER_LEAVING = """
 import signal, threading, time
+from crowdtrain.lifecycle import Deadline
 from crowdtrain.swarm.peer import _leave_on_signals
 
 stop = threading.Event()
-_leave_on_signals(stop)
+_leave_on_signals(stop, Deadline(), 120.0)
 print("ready", flush=True)
 while not stop.is_set():
     stop.wait(0.0005)

@@ -111,6 +111,17 @@ def test_a_shard_changed_on_the_way_is_refused_by_name_before_a_row_is_read(tmp_
             fetch_verified(url, "0" * 64, timeout_s=10)
         with pytest.raises(FileMismatch, match="not in the coordinator's signed manifest"):
             fetch_verified(url, None, timeout_s=10)
+        # The tokenizer takes the same way into the cache, named by its hash; a mismatch leaves nothing.
+        from crowdtrain.swarm.peer import download_asset
+
+        cache = tmp_path / "cache"
+        with pytest.raises(FileMismatch, match="train-00000.parquet .* does not match"):
+            download_asset(url, "0" * 64, cache)
+        assert list(cache.iterdir()) == [], "a refused download is not kept"
+        path = download_asset(url, good, cache)
+        assert path.read_bytes() == b"PAR1 the real shard" and path.name.startswith(good)
+        server.shutdown()
+        assert download_asset(url, good, cache) == path, "cached by hash: not fetched again"
     finally:
         server.shutdown()
 
@@ -273,6 +284,18 @@ def test_a_wheel_changed_on_the_way_is_refused_by_the_install_lines_hash(run, tm
     run.mitm.set_rules([])
     fetched = subprocess.run(download, capture_output=True, text=True, timeout=300, env=run.proxied_env)
     assert fetched.returncode == 0 and list((tmp_path / "dl").glob("*.whl")), fetched.stderr[-3000:]
+    # The install line itself, in a fresh venv, from the natively served HTTPS (its dependencies
+    # are what tests/test_volunteer_from_zero.py installs behind Caddy; not again here).
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    version = get_json(f"{run.url}/api/version")["version"]
+    installed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
+                                "--cert", run.proxied_env["PIP_CERT"], requirement], capture_output=True, text=True,
+                               timeout=300, env=run.proxied_env)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    shown = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "show", "crowdtrain"], capture_output=True,
+                           text=True, timeout=120)
+    assert f"Version: {version.split('+')[0]}" in shown.stdout, (version, shown.stdout)
 
 
 def test_join_sends_no_api_key_over_plain_http_to_another_machine(tmp_path):

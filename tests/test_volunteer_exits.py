@@ -89,6 +89,16 @@ def test_sigterm_ends_a_volunteer_within_its_bound_even_when_its_dht_is_frozen(s
     assert "asked to leave (SIGTERM)" in log or "credited on the leaderboard" in log, log[-3000:]
 
 
+def test_ctrl_c_ends_a_training_volunteer_cleanly_within_ten_seconds(swarm):
+    _training(swarm, "interrupted")
+    os.kill(swarm.procs["interrupted"].pid, signal.SIGINT)
+    code, took = _exit_within(swarm, "interrupted", 60)
+    log = swarm.log("interrupted")
+    assert code == 0 and "credited on the leaderboard" in log, log[-3000:]
+    assert took < 10, f"Ctrl-C took {took:.1f} s to leave"
+    print(f"Ctrl-C to exit: {took:.1f} s")
+
+
 def test_the_deadline_ends_a_process_blocked_for_good_and_its_forks():
     code = textwrap.dedent("""
         import multiprocessing, threading, time

@@ -47,7 +47,7 @@ import numpy as np
 
 from crowdtrain.data.config import StreamConfig
 from crowdtrain.data.shards import MANIFEST
-from crowdtrain.runspec.trust import FileMismatch, check_file
+from crowdtrain.runspec.trust import FileMismatch, check_file, fetch_checked
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +103,9 @@ def fetch_verified(url: str, expected: str | None, *, timeout_s: float, spool_by
     sha256 is ``expected``; :class:`crowdtrain.runspec.trust.FileMismatch` naming it otherwise."""
     import tempfile
 
-    name = url.rsplit("/", 1)[-1]
-    if expected is None:  # not signed for: refused before a byte is fetched
-        check_file(name, "", None, url)
     out = tempfile.SpooledTemporaryFile(max_size=spool_bytes)
-    digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            while block := r.read(1 << 20):
-                digest.update(block)
-                out.write(block)
-        check_file(name, digest.hexdigest(), expected, url)
+        fetch_checked(url, expected, out, timeout_s=timeout_s)
     except BaseException:
         out.close()
         raise

@@ -272,3 +272,20 @@ def check_file(name: str, data_sha256: str, expected: str | None, source: str) -
         raise FileMismatch(f"{name} from {source} does not match the coordinator's signed manifest (sha256 "
                            f"{data_sha256[:16]}..., signed {expected[:16]}...): it was changed on the way or on the "
                            "server; not using it")
+
+
+def fetch_checked(url: str, expected: str | None, out, *, timeout_s: float, name: str | None = None) -> None:
+    """Stream ``url`` into ``out`` (a binary file) and refuse it (:class:`FileMismatch`, naming
+    the file) unless its sha256 is ``expected``, the signed one; a file the signed answers do not
+    list is refused before a byte is fetched. The caller keeps ``out`` only when this returns."""
+    import urllib.request
+
+    name = name or url.rsplit("/", 1)[-1]
+    if expected is None:
+        check_file(name, "", None, url)
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        while block := response.read(1 << 20):
+            digest.update(block)
+            out.write(block)
+    check_file(name, digest.hexdigest(), expected, url)

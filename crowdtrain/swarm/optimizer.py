@@ -387,6 +387,14 @@ class SwarmOptimizer(RoundHooks):
                 return None, not control.done(), False
             if alone.left_out():
                 return None, False, not control.done()
+            if _leaving_without_a_group(getattr(self, "leaving", None), control, watch.started,
+                                        self.matchmaking_time):
+                # Waiting for the averaging timeout would hold the leave (Ctrl-C, SIGTERM) that long:
+                # seen, a minute. The step goes on with this peer's gradients; they are not credited.
+                logger.info("leaving: epoch %d's round found no group in %.0f s; not waiting for one", epoch,
+                            time.monotonic() - watch.started)
+                control.cancel()
+                return None, False, False
             time.sleep(0.005)
         return None, False, False
 
@@ -512,6 +520,15 @@ class SwarmOptimizer(RoundHooks):
             time.sleep(0.5)
         if behind:
             logger.info("leaving with %d peer(s) still behind epoch %d", len(behind), self.local_epoch)
+
+
+def _leaving_without_a_group(leaving: threading.Event | None, control, started: float,
+                             matchmaking_time: float) -> bool:
+    """The peer leaves after the step under way and its round is still looking for a group two
+    matchmaking times after the trigger (a booked round forms at the epoch's end, about when the
+    trigger comes; one matchmaking time is the search's own length)."""
+    return (leaving is not None and leaving.is_set() and control.stage == AveragingStage.LOOKING_FOR_GROUP
+            and time.monotonic() - started > 2 * matchmaking_time)
 
 
 def build_optimizer(dht: hivemind.DHT, model: torch.nn.Module, config: SwarmConfig, *, batch_size: int | None,

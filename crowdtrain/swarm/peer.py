@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import logging
 import os
 import signal
 import threading
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -34,18 +32,11 @@ logger = logging.getLogger(__name__)
 
 def download_asset(url: str, sha256: str, cache_dir: Path) -> Path:
     """Fetch a file the run needs (the text tokenizer) into the cache, verified by hash."""
-    path = cache_dir / f"{sha256}-{url.rsplit('/', 1)[-1]}"
-    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == sha256:
-        return path
+    from crowdtrain.remote import download_checked
+
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with urllib.request.urlopen(url, timeout=60) as response:
-        data = response.read()
-    if hashlib.sha256(data).hexdigest() != sha256:
-        raise ValueError(f"{url} does not match the hash the coordinator announced; refusing to use it")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-    return path
+    name = url.rsplit("/", 1)[-1]
+    return download_checked(url, cache_dir / f"{sha256}-{name}", sha256, name=name, timeout_s=60)
 
 
 def signed_files(info: dict, trust) -> dict[str, str] | None:
