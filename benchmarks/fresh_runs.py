@@ -50,6 +50,7 @@ class Cell:
     validation: bool = True  # False: --valid-rows 0 --samples-every 0
     batch_size: int | None = None  # `join --batch-size`; None: auto
     minutes: float = 1.5  # `join --minutes`
+    max_epochs: int | None = None  # `join --max-epochs`: leave at that epoch (a run's length in rounds, at any speed)
 
     @property
     def name(self) -> str:
@@ -106,6 +107,8 @@ def script_for(cell: Cell, folder: Path, port: int, *, total_epochs: int = 40) -
              "do sleep 1; done"]
     for i in range(cell.volunteers):
         flags = [f"--user v{i}", f"--minutes {cell.minutes:g}", f"--summary-file v{i}.json"]
+        if cell.max_epochs:
+            flags.append(f"--max-epochs {cell.max_epochs}")
         if cell.batch_size:
             flags.append(f"--batch-size {cell.batch_size}")
         if cell.threads != "auto":
