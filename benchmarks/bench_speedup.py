@@ -54,6 +54,7 @@ def one_run(n: int, mode: str, *, cores: int, target_loss: float, budget_s: floa
                 {"mode": "diloco", "inner_optimizer": "adamw", "lr": 3e-3, "target_batch_size": 3 * target_batch})
     swarm = LocalSwarm(folder, preset="demo", data="shapes", swarm={
         **settings, "checkpoint_every_epochs": 1, "total_epochs": 10_000})
+    folder.mkdir(parents=True, exist_ok=True)
     preset = "demo" if mode == "sync" else "laptop"
     available = sorted(os.sched_getaffinity(0))
     try:

@@ -2,7 +2,8 @@
 
 Run them on a quiet machine, one at a time: the swarm benchmarks start real processes whose
 timings suffer from anything else on the CPU. The testbed (``crowdtrain testbed suite``) needs
-root and about an hour, and `benchmarks/fresh_runs.py` (fresh runs typed at the shell) hours; they
+root and about an hour, `benchmarks/fresh_runs.py` (fresh runs typed at the shell) hours, and
+`benchmarks/scale_check.sh` (32 volunteers, the load, the speed-up) wants a 16-core machine; they
 are not part of this list.
 
     python benchmarks/run_all.py [--only bench_model,bench_swarm]

@@ -32,7 +32,7 @@ echo "scale_check: $CORES cores, $(free -g | awk '/Mem:/ {print $2}') GiB, parts
 if [[ "${SIZE:-full}" == small ]]; then
     SCALE_ARGS=(--peers 4 --storm 1 --epochs-after 1 --stagger-s 3)
     LOAD_ARGS=(--viewers 5 --volunteers 20 --seconds 20 --baseline-seconds 10)
-    SPEEDUP_ARGS=(--volunteers 1,2 --cores 1 --modes sync --budget-min 2)
+    SPEEDUP_ARGS=(--volunteers 1,2 --cores 1 --modes sync --budget-min 2 --target-loss 5.0)
     TESTBED_PEERS=2
 else
     SCALE_ARGS=(--peers 32 --storm 8 --epochs-after 3)
