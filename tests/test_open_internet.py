@@ -24,7 +24,7 @@ from crowdtrain.launch import LocalSwarm, cli, get_json, join_args, spawn
 from crowdtrain.runspec.tokens import CoordinatorKey
 from crowdtrain.runspec.trust import (CoordinatorTrust, FileMismatch, UntrustedCoordinator, check_key_transport,
                                       fingerprint, sign_answer)
-from tests.tls_servers import Mitm, make_certificates
+from tests.tls_servers import Mitm, make_certificates, network_address
 
 
 # ---- the decisions, in-process ------------------------------------------------------------------
@@ -301,11 +301,9 @@ def test_a_wheel_changed_on_the_way_is_refused_by_the_install_lines_hash(run, tm
 def test_join_sends_no_api_key_over_plain_http_to_another_machine(tmp_path):
     """What reaches the address: a listener on this machine's own network address (not loopback)
     records every byte; `crowdtrain join http://THAT:PORT --key ...` must stop before connecting."""
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True, text=True)
-    addresses = [line.split()[3].split("/")[0] for line in out.stdout.splitlines()]
-    assert addresses, f"this test needs a non-loopback IPv4 address on this machine: `ip addr` shows {out.stdout!r}"
+    address = network_address()
     listener = socket.socket()
-    listener.bind((addresses[0], 0))
+    listener.bind((address, 0))
     listener.listen()
     listener.settimeout(0.5)
     received = []
@@ -325,7 +323,7 @@ def test_join_sends_no_api_key_over_plain_http_to_another_machine(tmp_path):
                 conn.close()
 
     threading.Thread(target=record, daemon=True).start()
-    url = f"http://{addresses[0]}:{listener.getsockname()[1]}"
+    url = f"http://{address}:{listener.getsockname()[1]}"
     done = subprocess.run(cli("join", url, "--key", "ct_secret_never_sent"), capture_output=True, text=True,
                           timeout=120, env={**os.environ, "CROWDTRAIN_KNOWN_COORDINATORS": str(tmp_path / "k.json")})
     time.sleep(1)

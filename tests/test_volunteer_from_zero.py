@@ -30,7 +30,7 @@ from crowdtrain.launch import LocalSwarm, get_json
 from crowdtrain.release import PROTOCOL
 from crowdtrain.runspec.tokens import CoordinatorKey
 from crowdtrain.runspec.trust import fingerprint
-from tests.tls_servers import Caddy
+from tests.tls_servers import Caddy, network_address
 
 pytestmark = pytest.mark.slow
 
@@ -161,15 +161,13 @@ def test_behind_caddy_the_coordinator_counts_each_client_by_its_own_address_what
     import socket
     import ssl
 
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True, text=True)
-    addresses = [line.split()[3].split("/")[0] for line in out.stdout.splitlines()]
-    assert addresses, f"this test needs a non-loopback IPv4 address on this machine: `ip addr` shows {out.stdout!r}"
+    address = network_address()
     port = int(swarm.url.rsplit(":", 1)[1])
     context = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
 
     class FromAddress(http.client.HTTPSConnection):
         def connect(self):  # to 127.0.0.1 (the certificate's name is localhost), from the network address
-            sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(addresses[0], 0))
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(address, 0))
             self.sock = context.wrap_socket(sock, server_hostname="localhost")
 
     connection = FromAddress("localhost", port, context=context)
@@ -187,7 +185,7 @@ def test_behind_caddy_the_coordinator_counts_each_client_by_its_own_address_what
     connection.close()
     assert codes[-1] == 429 and len(codes) == budget + 1, \
         f"made-up X-Forwarded-For addresses spread the requests over several budgets: {codes}"
-    assert f"from {addresses[0]}" in detail, f"the coordinator did not see the client's own address: {detail!r}"
+    assert f"from {address}" in detail, f"the coordinator did not see the client's own address: {detail!r}"
 
 
 def test_a_volunteer_of_another_protocol_stops_at_once_with_the_install_line(swarm, fresh, tmp_path):

@@ -53,6 +53,15 @@ def make_certificates(folder: Path, hosts=("localhost", "127.0.0.1")) -> dict[st
     return paths
 
 
+def network_address() -> str:
+    """This machine's first non-loopback IPv4 address: a client there is told apart from the
+    loopback a local proxy or coordinator uses (the test fails, naming why, on a machine with none)."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True, text=True)
+    addresses = [line.split()[3].split("/")[0] for line in out.stdout.splitlines()]
+    assert addresses, f"this test needs a non-loopback IPv4 address on this machine: `ip addr` shows {out.stdout!r}"
+    return addresses[0]
+
+
 def wait_for_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
